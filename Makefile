@@ -1,0 +1,21 @@
+# Two commands do everything on a fresh machine: `make demo` (the main job) and `make test`.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv .venv
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m demo
+
+bench: setup
+	$(PY) -m bench.model

@@ -1,0 +1,86 @@
+"""Who am I in the job: rank, world size, local rank and rendezvous address, from torchrun's or SLURM's
+environment.
+
+torchrun (also `srun torchrun`, one task per node) sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
+itself. Under `srun python -m ...` (one task per GPU or CPU slot) only SLURM's variables exist; the master
+is the first host of the job's node list and the port is derived from the job id, so concurrent jobs on a
+shared node do not collide.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM node list (`node[1-2],gpu7` -> `node1`), via scontrol when available."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        first = rest.rstrip("]").split(",")[0].split("-")[0]
+        return prefix + first
+    return head
+
+
+def slurm_port(job_id: str) -> int:
+    """A rendezvous port in [20000, 30000) derived from the job id."""
+    return 20000 + int(job_id) % 10000
+
+
+def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
+            master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
+            source="slurm",
+        )
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+
+
+def export_torch_env(d: DistEnv) -> None:
+    """Set the variables torch.distributed's env:// rendezvous reads (a no-op under torchrun)."""
+    os.environ.update(
+        RANK=str(d.rank),
+        WORLD_SIZE=str(d.world_size),
+        LOCAL_RANK=str(d.local_rank),
+        LOCAL_WORLD_SIZE=str(d.local_world_size),
+        MASTER_ADDR=d.master_addr,
+        MASTER_PORT=str(d.master_port),
+    )

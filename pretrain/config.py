@@ -1,0 +1,225 @@
+"""Run configuration: one frozen dataclass per section, loaded from YAML plus `section.key=value` overrides.
+
+Precedence is dataclass defaults < YAML file < command line (merged by OmegaConf). A user mistake (an
+unknown key, a value of the wrong type, a missing file) is a `ConfigError` whose message is one line naming
+the key and the closest valid key or the expected type; `parse_args` turns it into that line on stderr and
+exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A mistake in a config file or an override; the message is one line meant for the user."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# The pretraining schema. Field names are the user-facing contract (DESIGN.md "Contract").
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"  # run folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/
+    seed: int = 1234  # every random stream derives from this (and dp rank, worker, epoch)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1  # tensor-parallel size (TP); data-parallel size is world / TP
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), nccl or gloo
+    timeout_s: int = 600  # process-group timeout: a dead rank makes the others fail after this long
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 1  # DeepSpeed ZeRO stage 0-3, sharded over the data-parallel group only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 32128  # embedding rows: the tokenizer's 32100 ids padded to a multiple of 128
+    d_model: int = 512
+    d_ff: int = 1024  # gated-GELU hidden width
+    d_kv: int = 64  # per-head width
+    num_heads: int = 6
+    num_layers: int = 8  # encoder layers
+    num_decoder_layers: int = 8
+    max_length: int = 512  # N: synthesized logits are N x N and sliced to [:n, :m]
+    encoder_attention: str = "vanilla"  # a mixer name or a mixture "a+b[+c]"
+    decoder_attention: str = "vanilla"
+    factorized_k: int = 8  # rank k of factorized_random (R1 R2^T, R1, R2 in R^{N x k})
+    mixture_per_head: bool = False  # one mixture weight vector per head instead of per layer
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-6
+    initializer_factor: float = 1.0  # T5's init scale (1.0 in all released checkpoints)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000  # optimizer steps of the whole schedule
+    micro_batch: int = 8  # sequences per rank per forward pass
+    global_batch: int = 8  # micro_batch x gradient accumulation x DP
+    exit_after: int = 0  # end this run after K steps with a checkpoint (0: run to `steps`)
+    optimizer: str = "adamw"  # adamw or adafactor
+    lr: float = 1e-3
+    weight_decay: float = 0.0  # decoupled; never applied to norms
+    beta1: float = 0.9
+    beta2: float = 0.999
+    schedule: str = "inverse_sqrt"  # inverse_sqrt (T5) or cosine
+    warmup_steps: int = 100
+    min_lr: float = 0.0  # cosine floor
+    grad_clip: float = 1.0  # global-norm clipping (0: off)
+    max_skipped_steps: int = 10  # non-finite losses tolerated before the run stops
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # shards: a directory, glob, brace pattern or webdataset URL
+    valid: str = ""  # same forms; empty: no evaluation data
+    tokenizer: str = ""  # path to spiece.model
+    input_length: int = 512  # encoder length after span corruption; targets length follows (568 -> 114)
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
+    workers: int = 1  # DataLoader worker processes per rank
+    shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 1000  # steps between checkpoints (0: only at the end)
+    keep: int = 3  # newest checkpoints kept
+    resume: str = "auto"  # auto (from run.dir's latest), none, or a checkpoint path
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = 10  # steps between metrics lines
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU (0: measured matmul rate on CPU, table on GPU)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # steps between evaluations (0: off)
+    batches: int = 4  # micro batches of the fixed validation slice
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: str = "fp32"  # fp32, bf16 or fp16 (with loss scaling)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------
+def _all_keys(schema: type) -> list[str]:
+    hints = {f.name: f for f in dataclasses.fields(schema)}
+    keys = []
+    for name, f in hints.items():
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        keys.append(name)
+        if dataclasses.is_dataclass(default):
+            keys += [f"{name}.{k}" for k in _all_keys(type(default))]
+    return keys
+
+
+def _explain(err: OmegaConfBaseException, schema: type) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err) or "Key '" in str(err):
+        # compare within the section, so a shared "model." prefix does not make every key look close
+        section, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in _all_keys(schema) if k.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        hint = f"; did you mean '{section + '.' if section else ''}{close[0]}'?" if close else ""
+        return f"unknown config key '{key}'{hint}"
+    if isinstance(err, ValidationError):
+        msg = str(err).splitlines()[0]
+        return f"bad value for config key '{key}': {msg}"
+    return f"config error at '{key}': {str(err).splitlines()[0]}"
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build `schema` from its defaults, then the YAML file at `path`, then `section.key=value` overrides."""
+    merged = OmegaConf.structured(schema)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+        layers.append(OmegaConf.create(data))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        for layer in layers:
+            merged = OmegaConf.merge(merged, layer)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e, schema)) from None
+
+
+def to_yaml(cfg) -> str:
+    """The resolved config as YAML (what `config.yaml` in the run folder holds)."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(path)
+
+
+def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "") -> T:
+    """`[--config FILE] [section.key=value ...]` -> config; user mistakes exit 2 with one line on stderr."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            _exit(prog, "--config needs a file")
+        path = argv[i + 1]
+        del argv[i : i + 2]
+    stray = [a for a in argv if a.startswith("-")]
+    if stray:
+        _exit(prog, f"unknown option {stray[0]}; use --config FILE and section.key=value overrides")
+    try:
+        return load_config(schema, path, argv)
+    except ConfigError as e:
+        _exit(prog, str(e))
+
+
+def _exit(prog: str, msg: str):
+    print(f"{prog + ': ' if prog else ''}error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
