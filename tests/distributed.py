@@ -1,0 +1,78 @@
+"""Run a function in N real processes (spawned, CPU, one thread each) with torchrun's variables set.
+
+`run_distributed(fn, 2, x)` calls `fn(rank, world_size, x)` in 2 fresh processes whose environment holds
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (a free port), so `init_distributed` (or a plain
+`dist.init_process_group("gloo")`) joins them. Returns the per-rank return values (picklable), in rank
+order. A failing rank's traceback is raised in the test process and the other ranks are terminated, so a
+rank stuck in a collective waiting for a dead peer cannot hang the suite.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, kwargs) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including SystemExit, to the test process
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        from pretrain.parallel import destroy_distributed
+
+        destroy_distributed()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """fn(rank, world_size, *args, **kwargs) in `world_size` gloo-ready processes; per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args, kwargs), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            outputs[rank] = value
+    finally:
+        for p in procs:
+            if len(outputs) < world_size and p.is_alive():
+                p.terminate()
+            p.join()
+    return [outputs[r] for r in range(world_size)]
