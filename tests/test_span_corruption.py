@@ -1,0 +1,112 @@
+"""Span corruption against T5: lengths by the formula, noise statistics, sentinel order, reconstruction."""
+import numpy as np
+import pytest
+
+from pretrain.data.span_corruption import input_and_target_lengths, span_corrupt
+
+VOCAB = 32100
+
+
+def t5_lengths(raw: int, density: float, mean: float) -> tuple[int, int]:
+    """random_spans_helper's inner function, written out from the T5 reference text."""
+    noise = round(raw * density)
+    spans = round(noise / mean)
+    return raw - noise + spans + 1, noise + spans + 1
+
+
+def t5_noise_mask(length: int, rng: np.random.Generator, density: float, mean: float) -> np.ndarray:
+    """A literal port of T5's random_spans_noise_mask (shuffle of a cut indicator, segment sums)."""
+    num_noise = min(max(round(length * density), 1), length - 1)
+    num_spans = max(round(num_noise / mean), 1)
+
+    def segmentation(num_items, num_segments):
+        first = np.concatenate([[0], rng.permutation((np.arange(num_items - 1) < num_segments - 1).astype(int))])
+        return np.bincount(np.cumsum(first), minlength=num_segments)
+
+    lengths = np.stack([segmentation(length - num_noise, num_spans), segmentation(num_noise, num_spans)], 1).reshape(-1)
+    starts = np.cumsum(lengths)[:-1]
+    indicator = np.zeros(length, int)
+    indicator[starts] = 1
+    return np.cumsum(indicator) % 2 == 1
+
+
+def noise_mask_of(tokens: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """Recover the noise mask: tokens (all distinct) missing from the inputs were noise."""
+    return ~np.isin(tokens, inputs)
+
+
+@pytest.mark.parametrize("input_length", [16, 64, 100, 128, 256, 512, 1024])
+@pytest.mark.parametrize("density, mean", [(0.15, 3.0), (0.3, 5.0), (0.5, 3.0)])
+def test_lengths_follow_the_t5_formula(input_length, density, mean):
+    raw, targets = input_and_target_lengths(input_length, density, mean)
+    # the largest raw length whose inputs fit, found by brute force
+    fits = [t for t in range(1, 4 * input_length) if t5_lengths(t, density, mean)[0] <= input_length]
+    expected_raw = max(fits)
+    expected_targets = t5_lengths(expected_raw, density, mean)[1]
+    if density == 0.5 and expected_targets > input_length:
+        expected_raw, expected_targets = expected_raw - 1, expected_targets - 1
+    assert (raw, targets) == (expected_raw, expected_targets)
+    # and a corrupted chunk of that raw length has exactly those lengths
+    inputs, tgt = span_corrupt(np.arange(3, 3 + raw), np.random.default_rng(0), vocab_size=VOCAB, eos_id=1,
+                               noise_density=density, mean_noise_span_length=mean)
+    if not (density == 0.5 and t5_lengths(raw + 1, density, mean)[1] > input_length):
+        assert len(inputs) <= input_length and len(tgt) == targets
+
+
+def test_known_values():
+    assert input_and_target_lengths(512) == (568, 114)
+    assert input_and_target_lengths(64) == (70, 14)  # round-half-even: 70 * 0.15 = 10.5 -> 10
+
+
+def test_noise_density_and_mean_span_length_over_many_samples():
+    rng = np.random.default_rng(1)
+    tokens = np.arange(3, 3 + 568)
+    noise, spans, position_rate = 0, 0, np.zeros(568)
+    for _ in range(2000):
+        inputs, targets = span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1)
+        mask = noise_mask_of(tokens, inputs[:-1])
+        mask[np.isin(tokens, targets[:-1])] = True  # first tokens of spans were replaced by a sentinel
+        noise += mask.sum()
+        spans += (targets >= VOCAB - 100).sum()
+        position_rate += mask
+    assert noise / (2000 * 568) == pytest.approx(85 / 568, abs=1e-12)  # round(568 * 0.15) = 85 every time
+    assert noise / spans == pytest.approx(85 / 28)  # round(85 / 3) = 28 spans of mean length 3.04
+    # the per-position noise rate matches a literal port of T5's mask generator
+    ref_rng = np.random.default_rng(2)
+    ref_rate = sum(t5_noise_mask(568, ref_rng, 0.15, 3.0).astype(float) for _ in range(2000))
+    assert position_rate[0] == ref_rate[0] == 0  # spans start with non-noise
+    assert position_rate[-1] == ref_rate[-1] == 2000  # and end with noise
+    assert np.abs(position_rate - ref_rate).mean() / 2000 < 0.01
+    assert np.abs(position_rate[20:-20] / 2000 - 0.15).max() < 0.05  # uniform away from the ends
+
+
+def test_sentinel_order_and_reconstruction():
+    rng = np.random.default_rng(3)
+    for length in [2, 5, 70, 568, 1137]:
+        tokens = rng.integers(3, VOCAB - 100, size=length)
+        inputs, targets = span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1)
+        assert inputs[-1] == 1 and targets[-1] == 1
+        in_sent = inputs[inputs >= VOCAB - 100]
+        tg_sent = targets[targets >= VOCAB - 100]
+        k = len(in_sent)
+        assert k >= 1
+        np.testing.assert_array_equal(in_sent, VOCAB - 1 - np.arange(k))  # <extra_id_0> = VOCAB - 1, counting down
+        np.testing.assert_array_equal(tg_sent, VOCAB - 1 - np.arange(k))
+        assert targets[0] == VOCAB - 1
+        # fill each sentinel in the inputs with the target span that follows the same sentinel
+        spans = np.split(targets[:-1], np.flatnonzero(targets[:-1] >= VOCAB - 100)[1:])
+        filled = {int(s[0]): s[1:] for s in spans}
+        rebuilt = np.concatenate([filled[int(t)] if t >= VOCAB - 100 else [t] for t in inputs[:-1]])
+        np.testing.assert_array_equal(rebuilt, tokens)
+
+
+def test_deterministic_given_the_generator_and_bad_lengths():
+    tokens = np.arange(3, 73, dtype=np.int32)
+    a = span_corrupt(tokens, np.random.default_rng(7), vocab_size=1100, eos_id=1)
+    b = span_corrupt(tokens, np.random.default_rng(7), vocab_size=1100, eos_id=1)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert a[0].dtype == np.int32
+    with pytest.raises(ValueError, match="at least 2"):
+        span_corrupt(tokens[:1], np.random.default_rng(0), vocab_size=1100, eos_id=1)
+    with pytest.raises(ValueError, match="input_length"):
+        input_and_target_lengths(1)
