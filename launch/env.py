@@ -48,7 +48,19 @@ def slurm_port(job_id: str) -> int:
     return 20000 + int(job_id) % 10000
 
 
+def tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's compressed task counts: `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        num, _, rep = part.partition("(x")
+        counts += [int(num)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts
+
+
 def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """The process's place in the job. torchrun's variables win (also under `srun torchrun`); SLURM's count
+    only inside a job step (SLURM_STEP_ID): the batch shell has SLURM_PROCID=0 and the job's SLURM_NTASKS
+    too, and a process started there is alone."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
@@ -60,13 +72,15 @@ def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
             source="torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        # srun sets the step's layout in SLURM_STEP_TASKS_PER_NODE (and SLURM_TASKS_PER_NODE), e.g. "2(x2)"
+        per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1"))
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            local_world_size=per_node[min(int(env.get("SLURM_NODEID", 0)), len(per_node) - 1)],
             master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
             master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
             source="slurm",

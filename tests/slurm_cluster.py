@@ -1,0 +1,225 @@
+"""A real SLURM cluster for the tests: munged, slurmctld and two slurmd "nodes" (node1, node2) on this host.
+
+Nothing is installed here (CI installs Debian's slurmctld, slurmd, slurm-client and munge). Every daemon
+runs in the foreground as a child of the test process, with its state, spool, logs, pid files, munge
+socket and ports under one temporary folder, so two test sessions on one machine do not collide. The
+node names are added to /etc/hosts (rendezvous resolves the first host of the node list) and removed
+again. Teardown cancels the jobs (running steps outlive slurmd) and stops each daemon by its pid, also
+when a test or the start itself fails. Settings follow ../shared/reference/local-slurm.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+NODES = ("node1", "node2")
+CPUS_PER_NODE = 4  # declared, more than the machine has (SlurmdParameters=config_overrides)
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+HOSTS_FILE = Path("/etc/hosts")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` consecutive free ports (slurm.conf takes the nodes' ports as one range)."""
+    for base in random.Random(os.getpid()).sample(range(20000, 60000, count), 200):
+        if all(_port_is_free(base + i) for i in range(count)):
+            return [base + i for i in range(count)]
+    raise RuntimeError(f"no {count} consecutive free ports for the SLURM test cluster")
+
+
+def _slurm_conf(root: Path, ctld_port: int, node_ports: list[int]) -> str:
+    host = socket.gethostname()
+    return f"""\
+ClusterName=testcluster
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+SchedulerParameters=sched_interval=2,bf_interval=2
+EnforcePartLimits=ALL
+DependencyParameters=kill_invalid_depend
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/log/jobcomp.txt
+MinJobAge=600
+JobRequeue=1
+ReturnToService=2
+MpiDefault=none
+MailProg=/bin/true
+NodeName=node[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_ports[0]}-{node_ports[1]}] \
+CPUs={CPUS_PER_NODE} State=UNKNOWN
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass
+class SlurmCluster:
+    """A running cluster: `env` has SLURM_CONF so the client commands (sbatch, squeue, sacct) reach it."""
+
+    root: Path
+    env: dict[str, str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def run(self, *cmd: str, check: bool = True, cwd: str | Path | None = None,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        env = {**self.env, **(extra_env or {})}
+        out = subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
+        return out
+
+    def sbatch(self, *args: str, cwd: str | Path, extra_env: dict[str, str] | None = None) -> str:
+        """Submit and return the job id."""
+        return self.run("sbatch", "--parsable", *args, cwd=cwd, extra_env=extra_env).stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, ExitCode, Restarts, Reason, StdOut, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def wait(self, job_id: str, states: set[str] = TERMINAL_STATES, poll_s: float = 0.5) -> dict[str, str]:
+        """Poll until the job reaches one of `states` (MinJobAge keeps finished jobs visible)."""
+        while (info := self.job(job_id))["JobState"] not in states:
+            time.sleep(poll_s)
+        return info
+
+    def log(self, name: str) -> str:
+        path = self.root / "log" / name
+        return path.read_text() if path.exists() else ""
+
+
+def _add_hosts() -> str | None:
+    """Make node1/node2 resolve to this host; return the line added (None if already there)."""
+    line = "127.0.0.1 " + " ".join(NODES) + "  # tests/slurm_cluster.py"
+    text = HOSTS_FILE.read_text()
+    if all(any(n in l.split() for l in text.splitlines()) for n in NODES):
+        return None
+    HOSTS_FILE.write_text(text.rstrip("\n") + "\n" + line + "\n")
+    return line
+
+
+def _remove_hosts(line: str | None) -> None:
+    if line is None:
+        return
+    kept = [l for l in HOSTS_FILE.read_text().splitlines() if l != line]
+    HOSTS_FILE.write_text("\n".join(kept) + "\n")
+
+
+def _start_munge(root: Path) -> list[str]:
+    """The munged command line (run as the munge user), with its socket, key copy, seed, pid and log in root/munge."""
+    mdir = root / "munge"
+    mdir.mkdir(mode=0o755)  # clients need execute permission to reach the socket
+    shutil.copy("/etc/munge/munge.key", mdir / "munge.key")
+    os.chmod(mdir / "munge.key", 0o400)
+    shutil.chown(mdir, "munge", "munge")
+    shutil.chown(mdir / "munge.key", "munge", "munge")
+    return ["/usr/sbin/munged", "--foreground",
+            f"--socket={mdir}/munge.socket", f"--key-file={mdir}/munge.key", f"--pid-file={mdir}/munged.pid",
+            f"--seed-file={mdir}/munged.seed", f"--log-file={mdir}/munged.log"]
+
+
+def _wait_for(what: str, ready, procs: list[subprocess.Popen], root: Path) -> None:
+    for _ in range(600):
+        if ready():
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            break
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((root / "log").glob("*")) + [root / "munge" / "munged.log"] if p.exists())
+    raise RuntimeError(f"SLURM test cluster: {what} not ready\n{logs}")
+
+
+def _stop(cluster: SlurmCluster) -> None:
+    """scancel everything (slurmd leaves running steps behind), then TERM each daemon by pid, KILL if stuck."""
+    if cluster.procs and cluster.procs[1:] and all(p.poll() is None for p in cluster.procs[:2]):
+        cluster.run("scancel", "--full", "--partition=debug", check=False)
+        for _ in range(100):
+            if not cluster.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip():
+                break
+            time.sleep(0.2)
+    for proc in reversed(cluster.procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def start_cluster() -> Iterator[SlurmCluster]:
+    root = Path(tempfile.mkdtemp(prefix="slurm-test-"))
+    os.chmod(root, 0o755)  # munged refuses a socket folder reachable through a group/other-writable path
+    for sub in ("state", "spool", "log"):
+        (root / sub).mkdir()
+    ctld_port, *node_ports = _free_ports(3)
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, ctld_port, node_ports))
+    cluster = SlurmCluster(root, {**os.environ, "SLURM_CONF": str(conf)})
+    hosts_line = _add_hosts()
+    logs = open(root / "log" / "daemons.out", "w")
+    try:
+        def spawn(cmd: list[str], user: str | None = None) -> None:
+            cluster.procs.append(subprocess.Popen(cmd, stdout=logs, stderr=subprocess.STDOUT, env=cluster.env,
+                                                  user=user, group=user, extra_groups=[] if user else None))
+
+        spawn(_start_munge(root), user="munge")
+        _wait_for("munged", lambda: (root / "munge" / "munge.socket").exists(), cluster.procs, root)
+        spawn(["/usr/sbin/slurmctld", "-D", "-i", "-f", str(conf)])
+        _wait_for("slurmctld", lambda: cluster.run("sinfo", check=False).returncode == 0, cluster.procs, root)
+        for node in NODES:
+            spawn(["/usr/sbin/slurmd", "-D", "-f", str(conf), "-N", node])
+
+        def idle() -> bool:
+            states = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split("\n")
+            return sum(s.split()[1:] == ["idle"] for s in states if s.strip()) == len(NODES)
+
+        _wait_for("nodes idle", idle, cluster.procs, root)
+        yield cluster
+    finally:
+        _stop(cluster)
+        logs.close()
+        _remove_hosts(hosts_line)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    with start_cluster() as cluster:
+        yield cluster
