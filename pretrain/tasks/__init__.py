@@ -1,0 +1,18 @@
+"""Downstream tasks in text-to-text form: GLUE and SuperGLUE from their official files, their metrics and
+their submission files. `get_task(name)` is the registry; names are those of results.json ("sst2", "boolq")."""
+from __future__ import annotations
+
+from pretrain.tasks.glue import GLUE_TASKS
+from pretrain.tasks.superglue import SUPERGLUE_TASKS
+from pretrain.tasks.task import Example, Split, Task, TaskFileError
+
+TASKS: dict[str, Task] = {t.name: t for t in GLUE_TASKS + SUPERGLUE_TASKS}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+__all__ = ["TASKS", "Example", "Split", "Task", "TaskFileError", "get_task"]
