@@ -131,7 +131,9 @@ def init_single_process(seed: int = 0) -> None:
         dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        state = torch.get_rng_state()  # leave the caller's global stream (and its manual_seed) untouched
         init_rng(seed, cuda=False)
+        torch.set_rng_state(state)
 
 
 def _free_port() -> int:

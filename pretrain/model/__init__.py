@@ -1,0 +1,56 @@
+"""The model package: T5 v1.1 + Synthesizer mixers on megatron-core tensor parallelism.
+
+`build_model(cfg)` inside a launched job (after `init_distributed`), `build_local_model(cfg)` anywhere else
+(tests, notebooks, export): TP 1 on CPU, setting up a 1-process group if none exists.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import ModelParallelConfig, parallel_state
+
+from pretrain.config import ModelConfig
+from pretrain.model.attention import MIXERS, parse_mixers
+from pretrain.model.generation import generate_greedy
+from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
+from pretrain.model.t5 import IGNORE_INDEX, T5Model, T5Output, vocab_parallel_argmax
+from pretrain.parallel import check_parallel, init_single_process
+
+__all__ = [
+    "MIXERS", "IGNORE_INDEX", "T5Model", "T5Output", "build_model", "build_local_model", "check_model",
+    "full_state_dict", "generate_greedy", "load_full_state_dict", "universal_checkpoint_info",
+    "vocab_parallel_argmax",
+]
+
+
+def check_model(cfg: ModelConfig, tp: int = 1) -> None:
+    """Model-config rules, checked before allocation: mixer names, sizes, and divisibility by TP."""
+    parse_mixers(cfg.encoder_attention, "model.encoder_attention")
+    parse_mixers(cfg.decoder_attention, "model.decoder_attention")
+    for key in ("vocab_size", "d_model", "d_ff", "d_kv", "num_heads", "max_length", "factorized_k"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"model.{key} ({getattr(cfg, key)}) must be >= 1")
+    if cfg.relative_attention_num_buckets < 4:
+        raise ValueError(f"model.relative_attention_num_buckets ({cfg.relative_attention_num_buckets}) must be >= 4")
+    check_parallel(cfg, tp, tp)
+
+
+def build_model(cfg: ModelConfig, activation_checkpointing: bool = False) -> T5Model:
+    """The model for this rank (its TP shard), on CPU in fp32, from megatron's parallel state.
+
+    Every rank draws the full weights from torch's global RNG and keeps its slice, so TP=N and TP=1 start
+    as the same function given the same `torch.manual_seed`.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_model needs init_distributed() first (or use build_local_model)")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    check_model(cfg, tp)
+    mp_config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
+    )
+    return T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp, activation_checkpointing)
+
+
+def build_local_model(cfg: ModelConfig) -> T5Model:
+    """A launcher-free model: sets up a 1-process gloo group + TP 1 if no parallel state exists yet."""
+    init_single_process()
+    return build_model(cfg)

@@ -1,0 +1,203 @@
+"""Attention for the T5 stacks: the mixer spec ("random+vanilla"), T5's relative position bias, the
+self-attention layer that mixes dot-product and Synthesizer logits, and dot-product cross-attention.
+
+Every mixer yields per-head logits [b, heads/tp, n, m]; a mixture sums them weighted by
+softmax(learned weights) (one vector per layer, or per head); then the relative position bias and the
+additive masks are added, softmax, dropout, times the per-head values, and the row-parallel output
+projection (all-reduce over TP). Heads are split over TP: Q/K/V columns, synthesizer parameters, bias
+rows and per-head mixture weights live only on their rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from pretrain.config import ModelConfig
+from pretrain.model.synthesizer import build_synthesizer, head_parameter
+
+MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
+
+
+def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
+    """'random+vanilla' -> ('random', 'vanilla'); a bad name is a one-line ValueError listing valid names."""
+    names = tuple(spec.split("+"))
+    for name in names:
+        if name not in MIXERS:
+            raise ValueError(
+                f"{key} '{spec}': unknown mixer '{name}'; valid: {', '.join(MIXERS)}, or a mixture 'a+b[+c]'"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
+    return names
+
+
+def _normal(std: float):
+    return lambda w: nn.init.normal_(w, 0.0, std)
+
+
+def _fork_tp_rng(active: bool):
+    """Dropout on head-sharded activations: a different stream per TP rank (megatron's tracker)."""
+    return tensor_parallel.get_cuda_rng_tracker().fork() if active else contextlib.nullcontext()
+
+
+class RelativePositionBias(nn.Module):
+    """T5's bucketed relative position bias, one scalar per (bucket, head); heads sharded over TP."""
+
+    def __init__(self, cfg: ModelConfig, bidirectional: bool, tp_rank: int, tp: int) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = cfg.relative_attention_num_buckets
+        self.max_distance = cfg.relative_attention_max_distance
+        full = torch.randn(cfg.num_heads, self.num_buckets) * cfg.initializer_factor * cfg.d_model**-0.5
+        self.weight = head_parameter(full, tp_rank, tp)  # [heads, buckets] (HF stores the transpose)
+
+    def _bucket(self, rel: torch.Tensor) -> torch.Tensor:
+        # Mesh TF / HF `_relative_position_bucket`: half exact buckets, half log-spaced up to max_distance
+        num_buckets, buckets = self.num_buckets, 0
+        if self.bidirectional:
+            num_buckets //= 2
+            buckets = (rel > 0).long() * num_buckets
+            rel = rel.abs()
+        else:
+            rel = -torch.clamp(rel, max=0)
+        max_exact = num_buckets // 2
+        large = max_exact + (
+            torch.log(rel.float() / max_exact) / math.log(self.max_distance / max_exact) * (num_buckets - max_exact)
+        ).long()
+        large = torch.clamp(large, max=num_buckets - 1)
+        return buckets + torch.where(rel < max_exact, rel, large)
+
+    def forward(self, n: int, m: int, start: int = 0) -> torch.Tensor:
+        q = torch.arange(start, start + n, device=self.weight.device)[:, None]
+        k = torch.arange(m, device=self.weight.device)[None, :]
+        return self.weight[:, self._bucket(k - q)][None]  # [1, heads/tp, n, m]
+
+
+class SelfAttention(nn.Module):
+    """Self-attention whose logits are a softmax-weighted mixture of the configured mixers."""
+
+    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], mp_config, tp_rank: int, tp: int) -> None:
+        super().__init__()
+        self.mixers = mixers
+        self.d_kv = cfg.d_kv
+        self.heads = cfg.num_heads // tp
+        self.dropout = cfg.dropout
+        self.max_length = cfg.max_length
+        inner, d, f = cfg.num_heads * cfg.d_kv, cfg.d_model, cfg.initializer_factor
+        if "vanilla" in mixers:
+            # fused Q, K, V, rows ordered [head, (q, k, v), d_kv] so a contiguous TP shard holds whole heads;
+            # T5 folds 1/sqrt(d_kv) into the query init instead of scaling the logits
+            def init_qkv(w: torch.Tensor) -> None:
+                w = w.view(cfg.num_heads, 3, cfg.d_kv, d)
+                nn.init.normal_(w[:, 0], 0.0, f * (d * cfg.d_kv) ** -0.5)
+                nn.init.normal_(w[:, 1:], 0.0, f * d**-0.5)
+
+            self.qkv = ColumnParallelLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
+        else:
+            self.v = ColumnParallelLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+        self.synth = nn.ModuleDict(
+            {name: build_synthesizer(name, cfg, mp_config, tp_rank, tp) for name in mixers if name != "vanilla"}
+        )
+        if len(mixers) > 1:
+            if cfg.mixture_per_head:
+                self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
+            else:
+                self.mix = nn.Parameter(torch.zeros(len(mixers)))  # [k], replicated over TP
+        self.o = RowParallelLinear(
+            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False,
+            input_is_parallel=True, skip_bias_add=True,
+        )
+
+    def mixture_weights(self) -> torch.Tensor:
+        """softmax of the mixture weights: [k] or [heads/tp, k]."""
+        return torch.softmax(self.mix, dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, cache: dict | None = None
+    ) -> torch.Tensor:
+        """x [b, n, d]; bias [1, heads/tp, n, m]; mask additive [b, 1, n|1, m] or None; cache: decoding."""
+        b, n, _ = x.shape
+        start = cache.get("len", 0) if cache is not None else 0
+        if self.synth and start + n > self.max_length:
+            raise ValueError(
+                f"sequence length {start + n} exceeds model.max_length ({self.max_length}) of the synthesized "
+                f"attention; raise model.max_length or shorten the inputs"
+            )
+        if "vanilla" in self.mixers:
+            qkv = self.qkv(x)[0].view(b, n, self.heads, 3, self.d_kv).permute(3, 0, 2, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]  # [b, heads/tp, n, d_kv]
+        else:
+            q = k = None
+            v = self.v(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        if cache is not None:
+            # incremental decoding: keys/values of the earlier positions are kept, the new ones appended
+            if k is not None:
+                k = cache["k"] = torch.cat([cache["k"], k], dim=2) if "k" in cache else k
+            v = cache["v"] = torch.cat([cache["v"], v], dim=2) if "v" in cache else v
+            cache["len"] = start + n
+        m = v.shape[2]
+        additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, m]
+        training_dropout = self.dropout if self.training else 0.0
+        with _fork_tp_rng(training_dropout > 0):
+            if self.mixers == ("vanilla",):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=training_dropout, scale=1.0)
+            else:
+                out = self._mixed(x, q, k, v, additive, start, m, training_dropout)
+        out = out.transpose(1, 2).reshape(b, n, -1)  # [b, n, heads/tp * d_kv]
+        return self.o(out)[0]  # fwd: all-reduce over TP
+
+    def _mixed(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
+        alpha = self._alpha() if len(self.mixers) > 1 else None
+        logits = None
+        for i, name in enumerate(self.mixers):
+            s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](x, start, m)  # [b|1, h/tp, n, m]
+            s = s if alpha is None else s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
+            logits = s if logits is None else logits + s
+        probs = torch.softmax((logits + additive).float(), dim=-1).to(v.dtype)  # [b, heads/tp, n, m]
+        probs = F.dropout(probs, p, training=p > 0)
+        return probs @ v  # [b, heads/tp, n, d_kv]
+
+    def _alpha(self) -> torch.Tensor:
+        if self.mix.dim() == 1:
+            # one weight vector shared by all heads: each TP rank sees only its heads' gradient, so the
+            # gradient is summed over TP (fwd: identity, bwd: all-reduce) to keep the replicas identical
+            return torch.softmax(tensor_parallel.copy_to_tensor_model_parallel_region(self.mix), dim=-1)
+        return torch.softmax(self.mix, dim=-1)
+
+
+class CrossAttention(nn.Module):
+    """Dot-product attention from decoder positions to the encoder output (no position bias)."""
+
+    def __init__(self, cfg: ModelConfig, mp_config, tp: int) -> None:
+        super().__init__()
+        inner, d, f = cfg.num_heads * cfg.d_kv, cfg.d_model, cfg.initializer_factor
+        self.d_kv, self.heads, self.dropout = cfg.d_kv, cfg.num_heads // tp, cfg.dropout
+        self.q = ColumnParallelLinear(
+            d, inner, config=mp_config, init_method=_normal(f * (d * cfg.d_kv) ** -0.5), bias=False
+        )
+        self.kv = ColumnParallelLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+        self.o = RowParallelLinear(
+            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False,
+            input_is_parallel=True, skip_bias_add=True,
+        )
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder output [b, n, d] -> K, V [b, heads/tp, n, d_kv] (rows ordered [head, (k, v), d_kv])."""
+        b, n, _ = memory.shape
+        kv = self.kv(memory)[0].view(b, n, self.heads, 2, self.d_kv).permute(3, 0, 2, 1, 4)
+        return kv[0], kv[1]
+
+    def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        k, v = memory_kv
+        p = self.dropout if self.training else 0.0
+        with _fork_tp_rng(p > 0):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))[0]

@@ -1,0 +1,93 @@
+"""How each parameter is split over TP, in one place: gathering a full (TP=1) state dict from the shards,
+loading a full one into a sharded model, and DeepSpeed's universal-checkpoint patterns.
+
+The split of a parameter is read from megatron's attributes (`tensor_model_parallel`, `partition_dim`,
+`partition_stride`): not marked -> replicated (norms, a per-layer mixture vector); dim 1 -> row-parallel
+(attention and FFN output projections); dim 0, stride 1 -> heads or vocabulary rows concatenated in rank
+order (Q/K/V, every per-head Synthesizer parameter, relative bias, embedding, LM head); dim 0, stride 2 ->
+the fused [wi_0; wi_1] whose rank r holds [wi_0 piece r; wi_1 piece r].
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import nn
+
+VOCAB_PARAMETERS = ("embed.weight", "lm_head.weight")
+
+
+def _split(param: torch.Tensor) -> tuple[int | None, int]:
+    if not getattr(param, "tensor_model_parallel", False):
+        return None, 1
+    return param.partition_dim, param.partition_stride
+
+
+def _gather(shard: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    parts = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(parts, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    pieces = [p.chunk(stride, dim=dim) for p in parts]  # [rank][sub-parameter]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
+
+
+def _shard(full: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    subs = full.chunk(stride, dim=dim)
+    return torch.cat([s.chunk(tp, dim=dim)[rank] for s in subs], dim=dim)
+
+
+def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) gathered to its TP=1 shape; all TP ranks must call together."""
+    out = {}
+    for name, param in model.named_parameters():
+        t = param.grad if grads else param.detach()
+        if t is None:
+            t = torch.zeros_like(param)
+        dim, stride = _split(param)
+        out[name] = t.clone() if dim is None or parallel_state.get_tensor_model_parallel_world_size() == 1 \
+            else _gather(t, dim, stride)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a TP=1 state dict into this rank's shards (names must match exactly)."""
+    params = dict(model.named_parameters())
+    if set(params) != set(state):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(f"state dict does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, param in params.items():
+        dim, stride = _split(param)
+        param.copy_(state[name] if dim is None else _shard(state[name], dim, stride))
+
+
+def _pattern(name: str) -> str:
+    """A regex for the name with layer indices generalised: encoder.layers.3.x -> encoder\\.layers\\.\\d+\\.x$."""
+    return re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name)) + "$"
+
+
+def universal_checkpoint_info(model: nn.Module, original_vocab_size: int) -> dict:
+    """`client_state["universal_checkpoint_info"]` for DeepSpeed's ds_to_universal (mutually exclusive patterns)."""
+    replicated, row, sub2, vocab = set(), set(), set(), set()
+    for name, param in model.named_parameters():
+        dim, stride = _split(param)
+        if dim is None:
+            replicated.add(_pattern(name))
+        elif dim == 1:
+            row.add(_pattern(name))
+        elif stride == 2:
+            sub2.add(_pattern(name))
+        if name in VOCAB_PARAMETERS:
+            vocab.add(_pattern(name))
+    return {
+        "universal_checkpoint_version": 0.2,
+        "original_vocab_size": original_vocab_size,
+        "tp_replicated_parameter_patterns": sorted(replicated),
+        "parameter_with_row_parallelism_patterns": sorted(row),
+        "parameter_with_2_sub_params_cat_dim_0": sorted(sub2),
+        "vocabulary_parameter_patterns": sorted(vocab),
+    }

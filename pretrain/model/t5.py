@@ -1,0 +1,224 @@
+"""The T5 v1.1 encoder-decoder (HF `T5ForConditionalGeneration` with gated-gelu, untied) on megatron-core
+tensor-parallel layers, with Synthesizer mixers in the self-attention of either stack.
+
+Parallel plan per block: RMSNorm (replicated) -> self-attention (heads split over TP, row-parallel output,
+one all-reduce) -> [decoder: cross-attention, same plan] -> gated-GELU FFN (wi column-parallel with the
+gate and linear halves interleaved per rank via stride 2, wo row-parallel, one all-reduce). Embedding and
+LM head are vocab-parallel; the loss is vocab-parallel cross-entropy, so logits are never gathered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from torch import nn
+
+from pretrain.config import ModelConfig
+from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, parse_mixers
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class T5Output:
+    loss: torch.Tensor | None  # mean cross-entropy over the labels != -100 (same value on every TP rank)
+    logits: torch.Tensor  # [b, m, vocab/tp]: this rank's vocabulary shard
+    num_tokens: torch.Tensor | None  # number of labels that count in the loss
+
+
+class RMSNorm(nn.Module):
+    """T5LayerNorm: scale only, no mean subtraction, no bias."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class GatedFFN(nn.Module):
+    """wo(gelu_tanh(wi_0 x) * wi_1 x); wi_0 and wi_1 fused in one column-parallel GEMM."""
+
+    def __init__(self, cfg: ModelConfig, mp_config) -> None:
+        super().__init__()
+        f, d = cfg.initializer_factor, cfg.d_model
+        # stride 2: master rows [wi_0; wi_1] are cut in 2 x TP pieces, rank r keeps [wi_0 piece r; wi_1 piece r]
+        self.wi = ColumnParallelLinear(
+            d, 2 * cfg.d_ff, config=mp_config, bias=False, stride=2,
+            init_method=lambda w: nn.init.normal_(w, 0.0, f * d**-0.5),
+        )
+        self.wo = RowParallelLinear(
+            cfg.d_ff, d, config=mp_config, bias=False, input_is_parallel=True, skip_bias_add=True,
+            init_method=lambda w: nn.init.normal_(w, 0.0, f * cfg.d_ff**-0.5),
+        )
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = self.wi(x)[0].chunk(2, dim=-1)  # [b, n, d_ff/tp] each
+        h = F.gelu(gate, approximate="tanh") * linear
+        if self.training and self.dropout > 0:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # sharded activation: per-TP-rank mask
+                h = F.dropout(h, self.dropout)
+        return self.wo(h)[0]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], is_decoder: bool, mp_config, tp_rank: int, tp: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp)
+        if is_decoder:
+            self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+            self.cross = CrossAttention(cfg, mp_config, tp)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.ffn = GatedFFN(cfg, mp_config)
+        self.dropout = cfg.dropout
+
+    def forward(self, h, bias, mask, memory=None, memory_mask=None, cache: dict | None = None) -> torch.Tensor:
+        # residual-stream dropout is replicated over TP: the default stream, identical on every TP rank
+        p = self.dropout if self.training else 0.0
+        h = h + F.dropout(self.attn(self.attn_norm(h), bias, mask, cache), p)
+        if memory is not None:
+            if cache is None:
+                memory_kv = self.cross.project_memory(memory)
+            else:  # the encoder output is fixed while decoding: project it once
+                memory_kv = cache.setdefault("memory_kv", self.cross.project_memory(memory))
+            h = h + F.dropout(self.cross(self.cross_norm(h), memory_kv, memory_mask), p)
+        return h + F.dropout(self.ffn(self.ffn_norm(h)), p)
+
+
+class Stack(nn.Module):
+    """Encoder or decoder: relative bias computed once and shared by all layers, final RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, mixers: tuple[str, ...], is_decoder: bool,
+                 mp_config, tp_rank: int, tp: int, activation_checkpointing: bool) -> None:
+        super().__init__()
+        self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
+        self.layers = nn.ModuleList(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp) for _ in range(num_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.dropout = cfg.dropout
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, h, mask, memory=None, memory_mask=None, caches: list[dict] | None = None) -> torch.Tensor:
+        start = caches[0].get("len", 0) if caches else 0
+        n = h.shape[1]
+        bias = self.relative_bias(n, start + n, start)  # [1, heads/tp, n, start + n]
+        p = self.dropout if self.training else 0.0
+        h = F.dropout(h, p)
+        for i, layer in enumerate(self.layers):
+            if self.activation_checkpointing and self.training:
+                # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
+                h = tensor_parallel.checkpoint(layer, False, h, bias, mask, memory, memory_mask)
+            else:
+                h = layer(h, bias, mask, memory, memory_mask, caches[i] if caches else None)
+        return F.dropout(self.final_norm(h), p)
+
+
+def padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, m] of 1 (keep) / 0 (pad) -> additive [b, 1, 1, m]."""
+    additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=dtype, device=mask.device)
+    return additive.masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
+
+
+def causal_mask(n: int, start: int, pad: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [b|1, 1, n, start + n]: query start + i sees keys <= start + i that are not padding."""
+    keys = torch.arange(start + n, device=device)
+    allowed = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]  # [n, start + n]
+    allowed = allowed[None, None]
+    if pad is not None:
+        allowed = allowed & (pad[:, None, None, :] != 0)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class T5Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, mp_config, tp_rank: int, tp: int, activation_checkpointing: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.mixers = {
+            "encoder": parse_mixers(cfg.encoder_attention, "model.encoder_attention"),
+            "decoder": parse_mixers(cfg.decoder_attention, "model.decoder_attention"),
+        }
+        f = cfg.initializer_factor
+        self.embed = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.d_model, config=mp_config, init_method=lambda w: nn.init.normal_(w, 0.0, f)
+        )
+        self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
+                             activation_checkpointing)
+        self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank, tp,
+                             activation_checkpointing)
+        self.lm_head = ColumnParallelLinear(
+            cfg.d_model, cfg.vocab_size, config=mp_config, bias=False, gather_output=False,
+            init_method=lambda w: nn.init.normal_(w, 0.0, f),
+        )
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)  # [b, n, d]
+        return self.encoder(h, padding_mask(attention_mask, h.dtype))
+
+    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor,
+               decoder_attention_mask: torch.Tensor | None = None, caches: list[dict] | None = None) -> torch.Tensor:
+        """Logits [b, m, vocab/tp]; with `caches` (one dict per layer) the ids are the next positions only."""
+        h = self.embed(decoder_input_ids)  # [b, m, d]
+        start = caches[0].get("len", 0) if caches else 0
+        mask = causal_mask(h.shape[1], start, decoder_attention_mask, h.dtype, h.device)
+        h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
+        return self.lm_head(h)[0]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None) -> T5Output:
+        memory = self.encode(input_ids, attention_mask)
+        logits = self.decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask)
+        if labels is None:
+            return T5Output(None, logits, None)
+        valid = labels != IGNORE_INDEX
+        # megatron's CE overwrites its input with the softmax: give it a float32 copy, keep the logits
+        losses = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.to(torch.float32, copy=True), labels.masked_fill(~valid, 0)
+        )  # [b, m]
+        num_tokens = valid.sum()
+        loss = (losses * valid).sum() / num_tokens.clamp(min=1)
+        return T5Output(loss, logits, num_tokens)
+
+    def mixture_weights(self) -> dict[str, torch.Tensor]:
+        """{"encoder.layers.3": softmax weights [k] or [heads, k]} in the order of `self.mixers[stack]`.
+
+        Per-head weights are gathered over TP, so every TP rank must call this together.
+        """
+        out = {}
+        for stack_name in ("encoder", "decoder"):
+            for i, layer in enumerate(getattr(self, stack_name).layers):
+                if hasattr(layer.attn, "mix"):
+                    w = layer.attn.mixture_weights().detach()
+                    out[f"{stack_name}.layers.{i}"] = _gather_heads(w) if w.dim() == 2 else w
+        return out
+
+
+def _gather_heads(t: torch.Tensor) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=0)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Global token ids [b, m] of the maximum over the TP-sharded vocabulary (ties: the lowest id)."""
+    local_idx = logits.argmax(dim=-1)  # [b, m]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local_idx
+    group = parallel_state.get_tensor_model_parallel_group()
+    local_max = logits.gather(-1, local_idx[..., None]).squeeze(-1)
+    global_idx = local_idx + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    maxes, idxs = [torch.empty_like(local_max) for _ in range(tp)], [torch.empty_like(global_idx) for _ in range(tp)]
+    dist.all_gather(maxes, local_max.contiguous(), group=group)
+    dist.all_gather(idxs, global_idx.contiguous(), group=group)
+    best = torch.stack(maxes).argmax(dim=0, keepdim=True)  # [1, b, m]: first (lowest-id) shard on ties
+    return torch.stack(idxs).gather(0, best).squeeze(0)
