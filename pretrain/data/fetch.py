@@ -54,12 +54,12 @@ def download_wheel(cache: Path) -> Path:
 # MediaWiki markup -> plain text
 # ---------------------------------------------------------------------------------------------------------
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
-_REF = re.compile(r"<ref[^>/]*/>|<ref[^>]*>.*?</ref>", re.S | re.I)
+_REF = re.compile(r"<ref[^>/]*/>|<(ref|math|gallery|timeline)[^>]*>.*?</\1>", re.S | re.I)
 _TAG = re.compile(r"<[^>]+>")
-_INNERMOST_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
+_TEMPLATE_BRACES = re.compile(r"\{\{|\}\}")
 _INNERMOST_TABLE = re.compile(r"\{\|(?:(?!\{\|).)*?\|\}", re.S)
 _FILE_LINK = re.compile(r"\[\[(?:File|Image|Category|[a-z\-]{2,12}):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", re.I)
-_LINK = re.compile(r"\[\[(?:[^|\]]*\|)?([^\]]*)\]\]")
+_LINK = re.compile(r"\[\[(?:[^|\[\]]*\|)?((?:[^\[\]]|\[[^\[\]]*\])*)\]\]")  # text may hold [1.1.0]
 _EXT_LINK = re.compile(r"\[https?://[^\s\]]+\s?([^\]]*)\]")
 _HEADING = re.compile(r"^(={2,})\s*(.*?)\s*\1\s*$", re.M)
 _ENTITY = {"&nbsp;": " ", "&ndash;": "–", "&mdash;": "—", "&amp;": "&", "&quot;": '"', "&lt;": "<", "&gt;": ">"}
@@ -73,15 +73,31 @@ def _remove_nested(pattern: re.Pattern, text: str) -> str:
             return text
 
 
+def _strip_templates(text: str) -> str:
+    """Drop {{...}} templates by brace depth (their arguments may hold single braces and pipes)."""
+    out, depth, last = [], 0, 0
+    for m in _TEMPLATE_BRACES.finditer(text):
+        if m.group() == "{{":
+            if depth == 0:
+                out.append(text[last : m.start()])
+            depth += 1
+        elif depth:
+            depth -= 1
+            last = m.end()
+    if depth == 0:
+        out.append(text[last:])
+    return "".join(out)
+
+
 def strip_markup(wikitext: str) -> str:
     text = _COMMENT.sub("", wikitext)
     text = _REF.sub("", text)
-    text = _remove_nested(_INNERMOST_TEMPLATE, text)
+    text = _strip_templates(text)
     text = _remove_nested(_INNERMOST_TABLE, text)
     text = _FILE_LINK.sub("", text)
     text = _LINK.sub(r"\1", text)
     text = _EXT_LINK.sub(r"\1", text)
-    text = _TAG.sub("", text)
+    text = _TAG.sub("", text).replace("[[", "").replace("]]", "")  # unbalanced leftovers
     text = text.replace("'''", "").replace("''", "")
     for entity, char in _ENTITY.items():
         text = text.replace(entity, char)

@@ -1,0 +1,109 @@
+"""Session fixtures with real data for every part's tests: C4-layout text, a tiny tokenizer, prepared shards.
+
+Each is built once per machine into the cache (~/.cache/synthesizer-pretrain/test-fixtures, or
+$SYNTHESIZER_CACHE) under a folder keyed on its inputs and on the code that builds it, so a change to
+the tokenizer or shard code rebuilds it and an unchanged suite reuses it. Building goes to a temporary
+folder that is renamed into place, so an interrupted build is never mistaken for a finished one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import DataConfig
+from pretrain.data import fetch as fetch_module
+from pretrain.data.c4 import expand_glob
+from pretrain.data.prepare import prepare
+from tokenizer.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_PIECES = 1000  # + 100 sentinels = 1100 ids: configs/tiny.yaml's vocab_size 1152 at TP 1
+TOKENIZER_SAMPLE_BYTES = 1_000_000  # ~7 s of training; the whole 3 MB sample takes ~20 s for no test benefit
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Shard folders prepared with `tokenizer` from the fetched text: 8 train shards, 1 validation shard."""
+
+    train: str
+    valid: str
+    tokenizer: str
+
+    def config(self, **overrides) -> DataConfig:
+        """A DataConfig over these shards, tiny.yaml's input length, plus `overrides`."""
+        base = DataConfig(train=self.train, valid=self.valid, tokenizer=self.tokenizer, input_length=64,
+                          workers=1, shuffle_buffer=64)
+        return dataclasses.replace(base, **overrides)
+
+
+def _key(*parts: object, code: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+    for rel in code:
+        h.update((REPO / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _build_once(folder: Path, build) -> Path:
+    """Run build(tmp) unless `folder` exists; the result appears atomically under `folder`."""
+    if not folder.is_dir():
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        build(tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another session finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _files_digest(files: list[str]) -> list[tuple[str, str]]:
+    return [(os.path.basename(f), hashlib.sha256(Path(f).read_bytes()).hexdigest()) for f in files]
+
+
+@pytest.fixture(scope="session")
+def data_cache() -> Path:
+    return fetch_module.default_cache()
+
+
+@pytest.fixture(scope="session")
+def c4_dir(data_cache: Path) -> Path:
+    """Real English text (the gensim Wikipedia sample + news) as 8 c4-train files and 1 c4-validation file."""
+    key = _key(code=("pretrain/data/fetch.py", "pretrain/data/c4.py"))
+    return _build_once(data_cache / "test-fixtures" / f"c4-{key}",
+                       lambda tmp: fetch_module.fetch(tmp, data_cache, num_train_files=8))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model(c4_dir: Path, data_cache: Path) -> str:
+    """Path to a tiny T5-style spiece.model: 1000 pieces + 100 sentinels = 1100 ids."""
+    files = expand_glob(str(c4_dir / "c4-train.*.json.gz"))
+    key = _key(_files_digest(files), TOKENIZER_PIECES, TOKENIZER_SAMPLE_BYTES,
+               code=("tokenizer/train.py", "pretrain/data/c4.py"))
+    folder = _build_once(data_cache / "test-fixtures" / f"tokenizer-{key}",
+                         lambda tmp: train(files, tmp, TOKENIZER_PIECES, TOKENIZER_SAMPLE_BYTES, seed=0))
+    return str(folder / "spiece.model")
+
+
+@pytest.fixture(scope="session")
+def shards(c4_dir: Path, tokenizer_model: str, data_cache: Path) -> PreparedData:
+    """Train shards (8: enough for 2 DP ranks x 2 workers) and validation shards made with `tokenizer_model`."""
+    train_files = expand_glob(str(c4_dir / "c4-train.*.json.gz"))
+    valid_files = expand_glob(str(c4_dir / "c4-validation.*.json.gz"))
+    key = _key(_files_digest(train_files + valid_files), hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest(),
+               code=("pretrain/data/prepare.py", "pretrain/data/shards.py", "pretrain/data/c4.py", "tokenizer/spm.py"))
+
+    def build(tmp: Path) -> None:
+        prepare(train_files, tmp / "train", tokenizer_model, workers=2)
+        prepare(valid_files, tmp / "valid", tokenizer_model, workers=1)
+
+    folder = _build_once(data_cache / "test-fixtures" / f"shards-{key}", build)
+    return PreparedData(train=str(folder / "train"), valid=str(folder / "valid"), tokenizer=tokenizer_model)
