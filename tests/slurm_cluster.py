@@ -106,16 +106,21 @@ class SlurmCluster:
         """Submit and return the job id."""
         return self.run("sbatch", "--parsable", *args, cwd=cwd, extra_env=extra_env).stdout.strip().split(";")[0]
 
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (JobState, ExitCode, Restarts, Reason, StdOut, ...)."""
+    def jobs(self, job_id: str) -> list[dict[str, str]]:
+        """`scontrol show job` as dicts (JobState, ExitCode, Restarts, Reason, StartTime, ...): one per array task."""
         out = self.run("scontrol", "show", "job", "-o", job_id).stdout
-        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        return [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in out.splitlines() if line]
 
-    def wait(self, job_id: str, states: set[str] = TERMINAL_STATES, poll_s: float = 0.5) -> dict[str, str]:
-        """Poll until the job reaches one of `states` (MinJobAge keeps finished jobs visible)."""
-        while (info := self.job(job_id))["JobState"] not in states:
+    def job(self, job_id: str) -> dict[str, str]:
+        return self.jobs(job_id)[0]
+
+    def wait(self, job_id: str, states: set[str] = TERMINAL_STATES, poll_s: float = 0.5) -> list[dict[str, str]]:
+        """Poll until the job (every task of an array) is in one of `states`; MinJobAge keeps it visible."""
+        while True:
+            info = self.jobs(job_id)
+            if all(rec["JobState"] in states for rec in info):
+                return info
             time.sleep(poll_s)
-        return info
 
     def log(self, name: str) -> str:
         path = self.root / "log" / name

@@ -34,7 +34,7 @@ def test_srun_python_and_srun_torchrun_form_one_group(slurm_cluster: SlurmCluste
                                          TORCHRUN_STEP.format(py=PY, out=torchrun_out), cwd=REPO),
     }
     for name, job in jobs.items():
-        info = slurm_cluster.wait(job)
+        info = slurm_cluster.wait(job)[0]
         assert info["JobState"] == "COMPLETED", (name, info, (tmp_path / f"{job}.out").read_text())
 
     for rec in _records(srun_out, 4):
