@@ -1,0 +1,118 @@
+"""The DeepSpeed engine: the one place that turns our config into DeepSpeed's config dict, and builds the
+engine (optimizer, ZeRO over the data-parallel group, precision, clipping, LR schedule) around the model.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import deepspeed
+import torch
+
+from pretrain.config import TrainConfig, ZeroConfig
+from pretrain.parallel import deepspeed_mpu
+from pretrain.schedule import build_scheduler
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adafactor")
+
+
+def num_accumulation_steps(cfg: TrainConfig, dp: int) -> int:
+    """global batch = micro batch x accumulation x DP; a global batch that does not split is a user error."""
+    per_pass = cfg.micro_batch * dp
+    if cfg.micro_batch < 1 or cfg.global_batch < per_pass or cfg.global_batch % per_pass:
+        lower = max(cfg.global_batch // per_pass, 1) * per_pass
+        raise ValueError(
+            f"train.global_batch ({cfg.global_batch}) must equal train.micro_batch ({cfg.micro_batch}) x "
+            f"gradient accumulation x data-parallel size ({dp}), i.e. a multiple of {cfg.micro_batch} x {dp} = "
+            f"{per_pass}; use {lower} or {lower + per_pass}"
+        )
+    return cfg.global_batch // per_pass
+
+
+def build_deepspeed_config(
+    train: TrainConfig, zero: ZeroConfig, precision: str, dp: int, *, load_universal: bool = False
+) -> dict[str, Any]:
+    """DeepSpeed's config dict, derived from ours; nothing else writes one."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if zero.stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero.stage ({zero.stage}) must be 0, 1, 2 or 3")
+    if train.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    accumulation = num_accumulation_steps(train, dp)
+    ds: dict[str, Any] = {
+        "train_batch_size": train.global_batch,  # = micro x accumulation x DP; DeepSpeed re-checks it
+        "train_micro_batch_size_per_gpu": train.micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": train.grad_clip,  # global norm over DP and TP (the mpu makes it TP-aware)
+        "zero_optimization": {"stage": zero.stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 1000},
+        "checkpoint": {"load_universal": load_universal},
+        "steps_per_print": 2**31 - 1,  # progress lines are ours (pretrain.metrics)
+        "wall_clock_breakdown": False,
+    }
+    if train.optimizer == "adamw":
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": train.lr,
+                "betas": [train.beta1, train.beta2],
+                "eps": 1e-8,
+                "weight_decay": train.weight_decay,
+                "torch_adam": True,  # torch's AdamW: no JIT-compiled fused CPU Adam (~40 s on first use)
+            },
+        }
+    else:
+        ds["zero_allow_untested_optimizer"] = True  # a client optimizer (torch's Adafactor)
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: norms (and any bias or mixture-weight vector) are 1-D and never decayed."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _build_adafactor(train: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    # T5's Adafactor (Shazeer & Stern 2018): no momentum, beta2_t = 1 - t^-0.8, update clipping d = 1;
+    # the learning rate comes from our schedule instead of Adafactor's relative step size.
+    return torch.optim.Adafactor(groups, lr=train.lr, beta2_decay=-0.8, d=1.0, weight_decay=train.weight_decay)
+
+
+def build_engine(
+    model: torch.nn.Module,
+    train: TrainConfig,
+    zero: ZeroConfig,
+    precision: str,
+    dp: int,
+    *,
+    load_universal: bool = False,
+) -> deepspeed.DeepSpeedEngine:
+    """Wrap `model` in a DeepSpeed engine that shards optimizer state (ZeRO) over the DP group only."""
+    ds_config = build_deepspeed_config(train, zero, precision, dp, load_universal=load_universal)
+    # DeepSpeed's CPU comm backend JIT-compiles a shared-memory op (~30-60 s the first time on a machine)
+    # that only serves inference all-reduce; training collectives go through torch.distributed.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    groups = param_groups(model, train.weight_decay)
+    optimizer = _build_adafactor(train, groups) if train.optimizer == "adafactor" else None
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=groups,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: build_scheduler(train, opt),
+        mpu=deepspeed_mpu(),
+        config=ds_config,
+    )
+    log.info(
+        "engine: ZeRO %d, %s, %s, global batch %d = micro %d x accumulation %d x DP %d",
+        zero.stage, precision, train.optimizer, train.global_batch, train.micro_batch,
+        ds_config["gradient_accumulation_steps"], dp,
+    )
+    return engine
