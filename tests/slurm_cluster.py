@@ -187,8 +187,18 @@ def _stop(cluster: SlurmCluster) -> None:
                 proc.wait()
 
 
+def _check_machine() -> None:
+    missing = [t for t in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(t) is None]
+    if missing:
+        raise RuntimeError(f"SLURM test cluster: {', '.join(missing)} not installed; run .ci/run or `apt-get install "
+                           "-y --no-install-recommends slurmctld slurmd slurm-client munge`")
+    if os.geteuid() != 0:
+        raise RuntimeError("SLURM test cluster: needs root (slurmd, munged as user munge, node names in /etc/hosts)")
+
+
 @contextlib.contextmanager
 def start_cluster() -> Iterator[SlurmCluster]:
+    _check_machine()
     root = Path(tempfile.mkdtemp(prefix="slurm-test-"))
     os.chmod(root, 0o755)  # munged refuses a socket folder reachable through a group/other-writable path
     for sub in ("state", "spool", "log"):
