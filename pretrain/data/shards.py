@@ -105,7 +105,13 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def read_index(spec: str) -> dict | None:
-    """index.json of the folder holding a local shard spec (None for URLs or when absent)."""
+    """index.json beside the shards of a spec: a local folder or an http(s) base URL (None when absent)."""
+    if spec.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(spec.rsplit("/", 1)[0] + "/" + INDEX, timeout=60) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):
+            return None
     if spec.startswith(_URL_SCHEMES):
         return None
     folder = Path(spec) if os.path.isdir(spec) else Path(spec).parent

@@ -1,0 +1,151 @@
+"""The loaders the trainer uses: a resumable streaming train loader and a fixed validation slice.
+
+`build_train_loader` yields dict batches (`input_ids`, `attention_mask`, `decoder_input_ids`, `labels`,
+`decoder_attention_mask`) forever, epoch after epoch. Batches are a function of (seed, epoch, DP rank, DP
+size, worker count) alone. `state_dict()` is plain JSON-able data (a few integers per worker); after
+`load_state_dict` the next batches are bit-identical to the uninterrupted run's, with any number of
+DataLoader workers: each worker tags its batches with its position, the loader keeps the position of the
+last batch it handed out per worker, and a resumed DataLoader rotates workers so the round-robin continues.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Iterator
+
+from torch.utils.data import DataLoader
+
+from pretrain.config import DataConfig
+from pretrain.data.shards import expand_shards, read_index
+from pretrain.data.span_corruption import input_and_target_lengths
+from pretrain.data.stream import StreamSpec, TrainStreams, collate, examples, start_position
+from tokenizer.spm import Tokenizer
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+def _spec(cfg: DataConfig, spec: str, *, seed: int, dp_rank: int, dp_size: int, num_streams: int,
+          micro_batch: int, block_chunks: int) -> StreamSpec:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+    tok = Tokenizer(cfg.tokenizer)
+    shards = expand_shards(spec)
+    index = read_index(spec)
+    if index is not None and index.get("num_ids") != tok.num_ids:
+        raise ValueError(f"shards in {spec!r} were prepared with a tokenizer of {index.get('num_ids')} ids but "
+                         f"data.tokenizer ({cfg.tokenizer}) has {tok.num_ids}; prepare them with that tokenizer")
+    raw_length, target_length = input_and_target_lengths(cfg.input_length, cfg.noise_density,
+                                                         cfg.mean_noise_span_length)
+    return StreamSpec(
+        shards=tuple(shards), seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_streams=num_streams,
+        raw_length=raw_length, input_length=cfg.input_length, target_length=target_length,
+        block_chunks=block_chunks, num_ids=tok.num_ids, eos_id=tok.eos_id, noise_density=cfg.noise_density,
+        mean_noise_span_length=cfg.mean_noise_span_length, micro_batch=micro_batch,
+        expected_docs=_expected_docs(shards, index))
+
+
+def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | None:
+    """Documents per shard from the index, when it lists every shard of the spec."""
+    if index is None:
+        return None
+    counts = {name: entry["documents"] for name, entry in index["shards"].items()}
+    names = [s.rsplit("/", 1)[-1] for s in shards]
+    return tuple(counts[n] for n in names) if all(n in counts for n in names) else None
+
+
+class TrainLoader:
+    """Iterable of batches with `state_dict()` / `load_state_dict()`; iterating again continues, it never rewinds."""
+
+    def __init__(self, spec: StreamSpec, workers: int):
+        self.spec, self.workers = spec, workers
+        self.batches = 0  # batches handed out; selects which worker's batch comes next
+        self.positions = [start_position() for _ in range(spec.num_streams)]
+        self.num_damaged_shards = 0  # damaged shard reads skipped so far, summed over workers
+
+    def __iter__(self) -> Iterator[dict]:
+        streams = TrainStreams(self.spec, copy.deepcopy(self.positions), self.batches % self.spec.num_streams)
+        loader = DataLoader(streams, batch_size=None, num_workers=self.workers,
+                            persistent_workers=False, prefetch_factor=4 if self.workers else None)
+        damaged = [0] * self.spec.num_streams
+        for batch in loader:
+            stream = batch.pop("_stream")
+            self.positions[stream] = batch.pop("_position")
+            damaged[stream] = batch.pop("_damaged")
+            if sum(damaged) > self.num_damaged_shards:
+                self.num_damaged_shards = sum(damaged)
+                log.warning("%d damaged shard reads skipped so far", self.num_damaged_shards)
+            self.batches += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        s = self.spec
+        return {"version": STATE_VERSION, "seed": s.seed, "dp_rank": s.dp_rank, "dp_size": s.dp_size,
+                "workers": s.num_streams, "batches": self.batches, "positions": copy.deepcopy(self.positions)}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.spec
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
+        if state["dp_size"] == s.dp_size and state["dp_rank"] != s.dp_rank:
+            raise ValueError(f"data loader state of DP rank {state['dp_rank']} loaded on DP rank {s.dp_rank}; "
+                             "each DP rank must load its own state")
+        if (state["dp_size"], state["workers"], state["seed"]) != (s.dp_size, s.num_streams, s.seed):
+            epoch = max(p["epoch"] for p in state["positions"]) + 1
+            log.warning("data loader state is for DP size %d, %d workers, seed %d; now DP size %d, %d workers, "
+                        "seed %d: starting a new deterministic data order at epoch %d", state["dp_size"],
+                        state["workers"], state["seed"], s.dp_size, s.num_streams, s.seed, epoch)
+            self.batches, self.positions = 0, [start_position(epoch) for _ in range(s.num_streams)]
+            return
+        self.batches, self.positions = state["batches"], copy.deepcopy(state["positions"])
+
+
+def build_train_loader(cfg: DataConfig, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int) -> TrainLoader:
+    """The train loader of one DP rank over `cfg.train`; TP peers (same dp_rank) get identical batches."""
+    num_streams = max(1, cfg.workers)
+    spec = _spec(cfg, cfg.train, seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_streams=num_streams,
+                 micro_batch=micro_batch, block_chunks=max(1, cfg.shuffle_buffer))
+    if len(spec.shards) < dp_size * num_streams:
+        raise ValueError(
+            f"data.train has {len(spec.shards)} shards but DP size ({dp_size}) x data.workers ({num_streams}) = "
+            f"{dp_size * num_streams} streams need at least one each; prepare more shards or lower data.workers")
+    index = read_index(cfg.train)
+    if index is not None:
+        log.info("train data: %d shards, %d tokens (~%d chunks of %d per epoch over all DP ranks)",
+                 len(spec.shards), index["tokens"], index["tokens"] // spec.raw_length, spec.raw_length)
+    return TrainLoader(spec, cfg.workers)
+
+
+class EvalLoader:
+    """A fixed list of validation batches: the same every time it is iterated and on every call."""
+
+    def __init__(self, batches: list[dict]):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def build_eval_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, micro_batch: int, num_batches: int) -> EvalLoader:
+    """`num_batches` batches for this DP rank from the start of `cfg.valid`, with a fixed seed (0) for the
+    order and the corruption whatever the run's seed; example i goes to DP rank i % dp_size (disjoint)."""
+    spec = _spec(cfg, cfg.valid, seed=0, dp_rank=0, dp_size=1, num_streams=1, micro_batch=micro_batch,
+                 block_chunks=max(1, cfg.shuffle_buffer))
+    needed = num_batches * micro_batch
+    mine: list = []
+    for i, (inputs, targets, after) in enumerate(examples(spec, 0, start_position(), [0])):
+        if after["epoch"] > 0:
+            raise ValueError(f"data.valid ({cfg.valid}) holds {i} examples, too few for {num_batches} batches of "
+                             f"{micro_batch} on each of {dp_size} DP ranks; lower eval.batches")
+        if i % dp_size == dp_rank:
+            mine.append((inputs, targets))
+            if len(mine) == needed:
+                break
+    return EvalLoader([collate(mine[k : k + micro_batch], spec.input_length, spec.target_length)
+                       for k in range(0, needed, micro_batch)])
