@@ -9,6 +9,7 @@ rank stuck in a collective waiting for a dead peer cannot hang the suite.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -36,8 +37,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, 
     )
     torch.set_num_threads(1)
     try:
-        out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # plain pickle bytes: torch's queue would pass tensors as shared-memory handles that die with this process
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
     except BaseException:  # report everything, including SystemExit, to the test process
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,7 +70,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) ->
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = pickle.loads(value)
     finally:
         for p in procs:
             if len(outputs) < world_size and p.is_alive():

@@ -79,12 +79,10 @@ def test_tp2_dp2_layout_and_rng_streams():
     assert all(o["after_fork_ok"] for o in out)
 
 
-def _bad_world(rank: int, world: int) -> None:
+def test_init_distributed_rejects_world_not_multiple_of_tp(monkeypatch):
     from pretrain.parallel import init_distributed
 
-    init_distributed(ParallelConfig(tensor=2), seed=0)
-
-
-def test_init_distributed_rejects_world_not_multiple_of_tp():
-    with pytest.raises(RuntimeError, match=r"world size \(1\) must be a multiple of parallel.tensor \(2\)"):
-        run_distributed(_bad_world, 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"world size \(3\) must be a multiple of parallel.tensor \(2\)"):
+        init_distributed(ParallelConfig(tensor=2), seed=0)  # raises before joining any process group

@@ -159,7 +159,9 @@ class SelfAttention(nn.Module):
             s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](x, start, m)  # [b|1, h/tp, n, m]
             s = s if alpha is None else s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = s if logits is None else logits + s
-        probs = torch.softmax((logits + additive).float(), dim=-1).to(v.dtype)  # [b, heads/tp, n, m]
+        # softmax in at least fp32 (bf16 logits lose the small differences that decide the weights)
+        wide = torch.promote_types(v.dtype, torch.float32)
+        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)  # [b, heads/tp, n, m]
         probs = F.dropout(probs, p, training=p > 0)
         return probs @ v  # [b, heads/tp, n, d_kv]
 

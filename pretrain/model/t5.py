@@ -177,9 +177,9 @@ class T5Model(nn.Module):
         if labels is None:
             return T5Output(None, logits, None)
         valid = labels != IGNORE_INDEX
-        # megatron's CE overwrites its input with the softmax: give it a float32 copy, keep the logits
+        # megatron's CE overwrites its input with the softmax: give it a copy (>= fp32), keep the logits
         losses = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.to(torch.float32, copy=True), labels.masked_fill(~valid, 0)
+            logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True), labels.masked_fill(~valid, 0)
         )  # [b, m]
         num_tokens = valid.sum()
         loss = (losses * valid).sum() / num_tokens.clamp(min=1)

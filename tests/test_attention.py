@@ -1,0 +1,103 @@
+"""Each mixer's forward against a plain per-head reference written from the paper's formulas
+(masks, slicing to n < N, factorized tile/repeat), and mixer-name validation."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core import ModelParallelConfig
+
+from pretrain.config import ModelConfig
+from pretrain.model.attention import SelfAttention, parse_mixers
+from pretrain.model.synthesizer import factor_pair
+from pretrain.parallel import init_single_process
+
+CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
+                  max_length=16, factorized_k=3)
+NEG = torch.finfo(torch.float32).min
+
+
+def _reference_logits(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    """Head h's logits [b, n, m] from the parameters, one formula per mixer (paper notation)."""
+    dkv, n = CFG.d_kv, x.shape[1]
+    rows = slice(h * dkv, (h + 1) * dkv)
+    if name == "vanilla":
+        w = attn.qkv.weight.view(CFG.num_heads, 3, dkv, CFG.d_model)
+        return (x @ w[h, 0].T) @ (x @ w[h, 1].T).transpose(1, 2)  # Q K^T, T5: no 1/sqrt(d)
+    if name in ("random", "fixed_random"):
+        return attn.synth[name].r[h, :n, :m].expand(x.shape[0], n, m)  # R[:n, :m]
+    if name == "factorized_random":
+        s = attn.synth[name]
+        return (s.r1[h, :n] @ s.r2[h, :m].T).expand(x.shape[0], n, m)  # R1 R2^T
+    s = attn.synth[name]
+    hidden = torch.relu(x @ s.hidden.w1.weight[rows].T + s.hidden.w1.bias[rows])  # relu(W1 x + b1)
+    if name == "dense":
+        return (hidden @ s.w2[h].T + s.b2[h])[..., :m]  # W2 (.) + b2, sliced to m keys
+    a, b = factor_pair(CFG.max_length)
+    fa = hidden @ s.wa[h].T + s.ba[h]  # [b, n, a]
+    fb = hidden @ s.wb[h].T + s.bb[h]  # [b, n, b]
+    # H_A repeats each element b times, H_B tiles the whole vector a times
+    return (fa.repeat_interleave(b, dim=-1) * fb.repeat(1, 1, a))[..., :m]
+
+
+def _reference(attn: SelfAttention, mixers, x, bias, mask) -> torch.Tensor:
+    b, n, _ = x.shape
+    dkv = CFG.d_kv
+    w_v = attn.qkv.weight.view(CFG.num_heads, 3, dkv, CFG.d_model)[:, 2] if "vanilla" in mixers \
+        else attn.v.weight.view(CFG.num_heads, dkv, CFG.d_model)
+    alpha = torch.softmax(attn.mix, -1) if len(mixers) > 1 else torch.ones(1)
+    heads = []
+    for h in range(CFG.num_heads):
+        a = alpha[h] if alpha.dim() == 2 else alpha
+        logits = sum(a[i] * _reference_logits(attn, name, x, h, n) for i, name in enumerate(mixers))
+        probs = torch.softmax(logits + bias[0, h] + mask[:, 0], dim=-1)  # [b, n, n]
+        heads.append(probs @ (x @ w_v[h].T))
+    return torch.cat(heads, dim=-1) @ attn.o.weight.T
+
+
+VARIANTS = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random",
+            "random+vanilla", "dense+vanilla", "random+dense", "factorized_random+vanilla+dense"]
+
+
+@pytest.mark.parametrize(
+    "spec, per_head", [(v, False) for v in VARIANTS] + [(v, True) for v in VARIANTS if "+" in v]
+)
+def test_mixer_matches_paper_formula(spec, per_head):
+    init_single_process()
+    torch.manual_seed(0)
+    mixers = parse_mixers(spec)
+    cfg = dataclasses.replace(CFG, mixture_per_head=per_head)
+    attn = SelfAttention(cfg, mixers, ModelParallelConfig(use_cpu_initialization=True), 0, 1).eval()
+    with torch.no_grad():  # non-trivial mixture weights and biases
+        for name, p in attn.named_parameters():
+            if name.endswith(("mix", "b2", "ba", "bb", "bias")):
+                p.normal_()
+    b, n = 3, 11  # n < N = 16: synthesized matrices are sliced
+    x = torch.randn(b, n, CFG.d_model)
+    bias = torch.randn(1, CFG.num_heads, n, n)
+    pad = torch.zeros(b, 1, 1, n)
+    pad[1, ..., 8:] = NEG
+    causal = torch.full((n, n), NEG).triu(1)[None, None]
+    for mask in (pad, torch.minimum(causal, pad)):  # encoder padding; decoder causal + padding
+        out = attn(x, bias, mask)
+        ref = _reference(attn, mixers, x, bias, mask)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_factorized_dense_is_not_block_constant():
+    # tile x repeat: column j uses A[j // b] and B[j % b]; neither factor alone decides a column block
+    assert factor_pair(512) == (16, 32) and factor_pair(64) == (8, 8) and factor_pair(12) == (3, 4)
+
+
+@pytest.mark.parametrize("spec, bad", [("randon", "randon"), ("random+vanila", "vanila"), ("", "")])
+def test_unknown_mixer_is_one_line_error_listing_valid_names(spec, bad):
+    with pytest.raises(ValueError) as e:
+        parse_mixers(spec, "model.encoder_attention")
+    msg = str(e.value)
+    assert "\n" not in msg and f"unknown mixer '{bad}'" in msg and "factorized_random" in msg
+
+
+def test_repeated_mixer_rejected():
+    with pytest.raises(ValueError, match="names a mixer twice"):
+        parse_mixers("random+random")

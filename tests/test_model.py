@@ -1,0 +1,136 @@
+"""Whole-model properties: decoder causality for every variant, parameter counts against the formulas,
+length and config errors, mixture weights, activation recompute with dropout, universal-checkpoint patterns."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.model import build_local_model, check_model, universal_checkpoint_info
+from pretrain.model.synthesizer import factor_pair
+from pretrain.parallel import init_single_process
+
+CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+                  max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
+SINGLE = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random"]
+
+
+def _model(**changes):
+    torch.manual_seed(0)
+    return build_local_model(dataclasses.replace(CFG, **changes))
+
+
+@pytest.mark.parametrize("spec", SINGLE + ["random+vanilla+factorized_dense"])
+def test_decoder_is_causal(spec):
+    model = _model(decoder_attention=spec, encoder_attention=spec).eval()
+    ids, mask = torch.randint(2, 256, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    dec = torch.randint(2, 256, (2, 10))
+    base = model(ids, mask, dec).logits
+    for i in (0, 4, 8):
+        changed = dec.clone()
+        changed[:, i + 1 :] = torch.randint(2, 256, changed[:, i + 1 :].shape)
+        out = model(ids, mask, changed).logits
+        torch.testing.assert_close(out[:, : i + 1], base[:, : i + 1], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, i + 1 :], base[:, i + 1 :])  # later positions do see the change
+
+
+def _extra(name: str) -> int:
+    """Self-attention parameters of one layer beyond the output projection (formulas of DESIGN.md)."""
+    d, h, dkv, n, k = CFG.d_model, CFG.num_heads, CFG.d_kv, CFG.max_length, CFG.factorized_k
+    inner = h * dkv
+    a, b = factor_pair(n)
+    return {
+        "vanilla": 2 * d * inner,  # Q, K (V is counted by every variant)
+        "dense": d * inner + inner + inner * n + h * n,  # W1_h, b1_h; W2_h [N, d_kv], b2_h: ~ d x N
+        "random": h * n * n,  # R_h: N x N per head
+        "fixed_random": h * n * n,  # same, frozen
+        "factorized_dense": d * inner + inner + h * (a + b) * (dkv + 1),
+        "factorized_random": 2 * h * n * k,  # R1_h, R2_h: 2 N k per head
+    }[name]
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("spec", SINGLE + ["random+vanilla", "dense+random"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_parameter_counts_follow_formulas(spec, per_head):
+    vanilla = _count(_model())
+    model = _model(encoder_attention=spec, decoder_attention=spec, mixture_per_head=per_head)
+    mixers = spec.split("+")
+    mix = (CFG.num_heads if per_head else 1) * len(mixers) if len(mixers) > 1 else 0
+    per_layer = sum(_extra(m) for m in mixers) + mix - _extra("vanilla")
+    assert _count(model) - vanilla == (CFG.num_layers + CFG.num_decoder_layers) * per_layer
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen == (4 * CFG.num_heads * CFG.max_length**2 if "fixed_random" in mixers else 0)
+
+
+def test_length_beyond_max_length_is_a_clear_error():
+    model = _model(encoder_attention="random")
+    ids = torch.randint(2, 256, (1, CFG.max_length + 1))
+    with pytest.raises(ValueError, match=r"sequence length 17 exceeds model.max_length \(16\)"):
+        model(ids, torch.ones_like(ids), ids[:, :4])
+    vanilla = _model()  # dot-product attention has no length limit
+    assert vanilla(ids, torch.ones_like(ids), ids[:, :4]).logits.shape == (1, 4, 256)
+
+
+def test_check_model_rejects_bad_config_in_one_line():
+    with pytest.raises(ValueError, match="model.decoder_attention 'dense\\+randm': unknown mixer 'randm'"):
+        check_model(dataclasses.replace(CFG, decoder_attention="dense+randm"))
+    with pytest.raises(ValueError, match=r"model.max_length \(0\) must be >= 1"):
+        check_model(dataclasses.replace(CFG, max_length=0))
+
+
+def test_mixture_weights_per_layer_and_per_head():
+    model = _model(encoder_attention="random+vanilla", decoder_attention="dense", mixture_per_head=True)
+    with torch.no_grad():
+        model.encoder.layers[1].attn.mix.copy_(torch.log(torch.tensor([1.0, 3.0])).expand(4, 2))
+    w = model.mixture_weights()
+    assert sorted(w) == ["encoder.layers.0", "encoder.layers.1"] and model.mixers["encoder"] == ("random", "vanilla")
+    torch.testing.assert_close(w["encoder.layers.1"], torch.tensor([[0.25, 0.75]] * 4))
+    assert _model().mixture_weights() == {}
+    assert _model(decoder_attention="random+dense").mixture_weights()["decoder.layers.0"].shape == (2,)
+
+
+def test_activation_recompute_replays_dropout_masks():
+    init_single_process()
+    from megatron.core import tensor_parallel
+
+    batch = (torch.randint(2, 256, (2, 12)), torch.ones(2, 12, dtype=torch.long), torch.randint(2, 256, (2, 6)))
+    labels = torch.randint(2, 256, (2, 6))
+    grads = []
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_local_model(dataclasses.replace(CFG, dropout=0.3, encoder_attention="random+vanilla"))
+        for stack in (model.encoder, model.decoder):
+            stack.activation_checkpointing = checkpointing
+        torch.manual_seed(1)
+        tracker.set_states({name: torch.Generator().manual_seed(5).get_state() for name in tracker.get_states()})
+        model(*batch, labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_universal_checkpoint_patterns_are_exclusive_and_all_used():
+    model = _model(encoder_attention="random+vanilla", decoder_attention="dense+factorized_dense")
+    info = universal_checkpoint_info(model, original_vocab_size=250)
+    assert info["original_vocab_size"] == 250 and "universal_checkpoint_version" in info
+    names = [n for n, _ in model.named_parameters()]
+    categories = ["tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
+                  "parameter_with_2_sub_params_cat_dim_0"]
+    for name in names:
+        hits = [c for c in categories for p in info[c] if re.match(p, name)]
+        assert len(hits) <= 1, (name, hits)
+    for c in categories + ["vocabulary_parameter_patterns"]:
+        assert all(any(re.match(p, n) for n in names) for p in info[c])
+    replicated = [n for n in names if any(re.match(p, n) for p in info["tp_replicated_parameter_patterns"])]
+    assert all(n.endswith("norm.weight") or n.endswith(".mix") for n in replicated)
+    assert [n for n in names if any(re.match(p, n) for p in info["vocabulary_parameter_patterns"])] == \
+        ["embed.weight", "lm_head.weight"]
