@@ -2,7 +2,7 @@
 
 A train loader runs one stream per DataLoader worker ("logical worker"); each stream owns a disjoint slice of
 the shards, split by DP rank first and worker second (never by global rank: the TP peers of one DP replica
-read identical batches). Everything random is a function of (seed, epoch, DP rank, stream, block, chunk),
+read identical batches). Everything random is a function of (seed, epoch, DP rank, stream, block),
 and a stream's position is six integers, so a restart rebuilds the exact same batches:
 
     epoch   passes over this stream's shards; shard order is reshuffled from (seed, epoch)
@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.data.shards import decode_tokens, read_samples
-from pretrain.data.span_corruption import span_corrupt
+from pretrain.data.span_corruption import noise_span_lengths, span_corrupt
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,11 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
         produced = first_block > 0
         for block, (chunks, start) in enumerate(blocks(spec, shards, shard, doc, offset, damaged), first_block):
             produced = True
-            order = np.random.default_rng([spec.seed, epoch, spec.dp_rank, stream, block]).permutation(len(chunks))
+            rng = np.random.default_rng([spec.seed, epoch, spec.dp_rank, stream, block])
+            order = rng.permutation(len(chunks))
+            for _ in range(nxt):  # resuming mid-block: replay the skipped chunks' draws (bounded by the block)
+                noise_span_lengths(spec.raw_length, rng, spec.noise_density, spec.mean_noise_span_length)
             for j in range(nxt, len(chunks)):
-                rng = np.random.default_rng([spec.seed, epoch, spec.dp_rank, stream, block, j])
                 inputs, targets = span_corrupt(
                     chunks[order[j]], rng, vocab_size=spec.num_ids, eos_id=spec.eos_id,
                     noise_density=spec.noise_density, mean_noise_span_length=spec.mean_noise_span_length)

@@ -1,0 +1,156 @@
+"""`python -m bench.data`: data pipeline throughput on one core, against sentencepiece and a per-example collator.
+
+Measures, on the fetched real text (pretrain.data.fetch) with a tokenizer trained on it:
+- the end-to-end train loader (shards -> documents -> chunks -> span corruption -> batch tensors), in the
+  main process (workers=0), as tokens of encoder input per second;
+- (a) sentencepiece's own batched encoding speed on the same text (one thread);
+- (b) a per-example span-corruption collator in the style of HuggingFace's `DataCollatorForT5MLM` (what
+  nanoT5 uses), written here as the baseline, on the same chunks; and our corruption + collation on them;
+- prepare throughput: MB of C4 json.gz (and of uncompressed JSON) per second for one process.
+Targets: loader >= 1M tokens/s per core and >= 3x the per-example baseline.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+import gzip
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.config import DataConfig
+from pretrain.data.c4 import read_documents
+from pretrain.data.fetch import default_cache, fetch
+from pretrain.data.loader import build_train_loader
+from pretrain.data.prepare import prepare_file
+from pretrain.data.span_corruption import input_and_target_lengths, span_corrupt
+from pretrain.data.stream import collate
+from tokenizer.spm import Tokenizer
+from tokenizer.train import train
+
+
+class PerExampleT5Collator:
+    """The baseline: HF `DataCollatorForT5MLM` logic (global numpy RNG, Python per-example loops)."""
+
+    def __init__(self, vocab_size: int, eos_id: int, noise_density=0.15, mean_noise_span_length=3.0):
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.noise_density, self.mean_noise_span_length = noise_density, mean_noise_span_length
+
+    def random_spans_noise_mask(self, length: int) -> np.ndarray:
+        num_noise_tokens = int(np.round(length * self.noise_density))
+        num_noise_tokens = min(max(num_noise_tokens, 1), length - 1)
+        num_noise_spans = int(np.round(min(num_noise_tokens, length) / self.mean_noise_span_length))
+        num_noise_spans = max(num_noise_spans, 1)
+        num_nonnoise_tokens = length - num_noise_tokens
+
+        def _random_segmentation(num_items, num_segments):
+            mask_indices = np.arange(num_items - 1) < (num_segments - 1)
+            np.random.shuffle(mask_indices)
+            first_in_segment = np.pad(mask_indices, [[1, 0]])
+            segment_id = np.cumsum(first_in_segment)
+            _, segment_length = np.unique(segment_id, return_counts=True)
+            return segment_length
+
+        noise_span_lengths = _random_segmentation(num_noise_tokens, num_noise_spans)
+        nonnoise_span_lengths = _random_segmentation(num_nonnoise_tokens, num_noise_spans)
+        interleaved = np.reshape(np.stack([nonnoise_span_lengths, noise_span_lengths], axis=1), [num_noise_spans * 2])
+        span_starts = np.cumsum(interleaved)[:-1]
+        span_start_indicator = np.zeros((length,), dtype=np.int8)
+        span_start_indicator[span_starts] = True
+        span_num = np.cumsum(span_start_indicator)
+        return np.equal(span_num % 2, 1)[:length]
+
+    def create_sentinel_ids(self, mask_indices: np.ndarray) -> np.ndarray:
+        start_indices = mask_indices - np.roll(mask_indices, 1, axis=-1) * mask_indices
+        start_indices[:, 0] = mask_indices[:, 0]
+        sentinel_ids = np.where(start_indices != 0, np.cumsum(start_indices, axis=-1), start_indices)
+        sentinel_ids = np.where(sentinel_ids != 0, (self.vocab_size - sentinel_ids), 0)
+        sentinel_ids -= mask_indices - start_indices
+        return sentinel_ids
+
+    def filter_input_ids(self, input_ids: np.ndarray, sentinel_ids: np.ndarray) -> np.ndarray:
+        batch_size = input_ids.shape[0]
+        input_ids_full = np.where(sentinel_ids != 0, sentinel_ids, input_ids)
+        input_ids = input_ids_full[input_ids_full >= 0].reshape((batch_size, -1))
+        return np.concatenate([input_ids, np.full((batch_size, 1), self.eos_id, dtype=np.int32)], axis=-1)
+
+    def __call__(self, chunks: np.ndarray) -> dict:
+        batch_size, length = chunks.shape
+        mask = np.asarray([self.random_spans_noise_mask(length) for _ in range(batch_size)])
+        labels_mask = ~mask
+        inputs = self.filter_input_ids(chunks, self.create_sentinel_ids(mask.astype(np.int8)))
+        labels = self.filter_input_ids(chunks, self.create_sentinel_ids(labels_mask.astype(np.int8)))
+        return {"input_ids": inputs, "labels": labels}
+
+
+def _rate(fn, tokens_per_call: int, min_seconds: float = 3.0) -> float:
+    fn()  # warm up
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return calls * tokens_per_call / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.splitlines()[0])
+    p.add_argument("--input-length", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=8000, help="pieces of the tokenizer trained for the bench")
+    args = p.parse_args(argv)
+    cache = default_cache()
+    files = [str(f) for f in fetch(cache / "c4", cache) if "train" in f.name]
+    work = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    model = str(train(files, work / "tok", args.vocab_size, max_bytes=10**9, seed=0))
+    tok = Tokenizer(model)
+    raw, tgt = input_and_target_lengths(args.input_length)
+
+    # prepare, one process: MB/s of C4 files
+    (work / "shards").mkdir()
+    start = time.perf_counter()
+    stats = [prepare_file(f, work / "shards" / f"shard-{i:06d}.tar", model) for i, f in enumerate(files)]
+    took = time.perf_counter() - start
+    gz_mb = sum(s["bytes"] for s in stats) / 1e6
+    json_mb = sum(len(gzip.open(f).read()) for f in files) / 1e6
+    print(f"prepare (1 process): {gz_mb / took:.2f} MB/s of json.gz, {json_mb / took:.2f} MB/s of JSON "
+          f"({sum(s['tokens'] for s in stats) / took / 1e6:.2f}M tokens/s)")
+
+    # (a) sentencepiece's own batched encoding on the same text
+    texts = [d["text"] for f in files for d in read_documents(f, Counter())]
+    n_tokens = sum(s["tokens"] for s in stats)
+    spm_rate = _rate(lambda: tok.sp.encode(texts, num_threads=1), n_tokens, 2.0)
+    print(f"(a) sentencepiece encode, 1 thread: {spm_rate / 1e6:.2f}M tokens/s")
+
+    # end to end: the train loader in the main process
+    cfg = DataConfig(train=str(work / "shards"), tokenizer=model, input_length=args.input_length, workers=0,
+                     shuffle_buffer=1000)
+    loader = iter(build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=args.micro_batch))
+    loader_rate = _rate(lambda: next(loader), args.micro_batch * args.input_length)
+    print(f"loader end to end (shards -> batch tensors, 1 core): {loader_rate / 1e6:.2f}M encoder tokens/s")
+
+    # (b) the per-example baseline vs ours, on the same chunks
+    stream = np.concatenate([np.asarray(ids + [1], np.int32) for ids in tok.encode_batch(texts[:2000])])
+    chunks = stream[: len(stream) // raw * raw].reshape(-1, raw)[: args.micro_batch * 8]
+    baseline = PerExampleT5Collator(tok.num_ids, tok.eos_id)
+    pos = [0]
+
+    def next_chunks():
+        pos[0] = (pos[0] + args.micro_batch) % len(chunks)
+        return chunks[pos[0] : pos[0] + args.micro_batch]
+
+    base_rate = _rate(lambda: baseline(next_chunks()), args.micro_batch * args.input_length)
+    rng = np.random.default_rng(0)
+    ours_rate = _rate(lambda: collate([span_corrupt(c, rng, vocab_size=tok.num_ids, eos_id=1) for c in next_chunks()],
+                                      args.input_length, tgt), args.micro_batch * args.input_length)
+    print(f"(b) per-example DataCollatorForT5MLM-style baseline: {base_rate / 1e6:.2f}M tokens/s; "
+          f"ours (corruption + collation): {ours_rate / 1e6:.2f}M tokens/s")
+    print(f"ratios: loader / sentencepiece = {loader_rate / spm_rate:.2f}x, loader / baseline = "
+          f"{loader_rate / base_rate:.2f}x, corruption / baseline = {ours_rate / base_rate:.2f}x; "
+          f"target loader >= 1M tokens/s: {'met' if loader_rate >= 1e6 else 'NOT met'}, >= 3x baseline: "
+          f"{'met' if loader_rate >= 3 * base_rate else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
