@@ -134,3 +134,18 @@ def test_universal_checkpoint_patterns_are_exclusive_and_all_used():
     assert all(n.endswith("norm.weight") or n.endswith(".mix") for n in replicated)
     assert [n for n in names if any(re.match(p, n) for p in info["vocabulary_parameter_patterns"])] == \
         ["embed.weight", "lm_head.weight"]
+
+
+def test_flops_match_a_count_of_the_vanilla_matmuls():
+    from pretrain.model.flops import flops_per_sequence
+
+    cfg = ModelConfig()  # T5 v1.1 small
+    n, m, d, f, inner, v = 512, 114, 512, 1024, 384, 32128
+    attn = lambda q, k: 2 * (3 * q * d * inner + q * k * inner * 2 + q * inner * d)  # noqa: E731
+    cross = 2 * m * d * inner + 2 * 2 * n * d * inner + 2 * 2 * m * n * inner + 2 * m * inner * d
+    ffn = lambda t: 2 * 3 * t * d * f  # noqa: E731
+    forward = 8 * (attn(n, n) + ffn(n)) + 8 * (attn(m, m) + cross + ffn(m)) + 2 * m * d * v
+    assert flops_per_sequence(cfg, n, m) == 3 * forward
+    synth = dataclasses.replace(cfg, encoder_attention="random", decoder_attention="random")
+    assert flops_per_sequence(synth, n, m) == 3 * forward - 3 * 8 * (4 * n * d * inner + 2 * n * n * inner) \
+        - 3 * 8 * (4 * m * d * inner + 2 * m * m * inner)

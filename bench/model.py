@@ -1,0 +1,119 @@
+"""`python -m bench.model`: CPU fp32 speed of the model at T5-v1.1-small width and N = 512.
+
+Prints, all measured in this one run (absolute numbers vary between machines; ratios are the figures):
+- the machine's fp32 matmul rate (2048^3 GEMM, all threads);
+- forward + backward time of one self-attention layer for each mixer, as a ratio to our vanilla layer
+  (batch x 512 x 512, 6 heads of 64, padding mask and relative bias as in the model);
+- a full train step (forward, backward, AdamW) of our vanilla model against HuggingFace's
+  `T5ForConditionalGeneration` with the same weights, config and batch (inputs 512, targets 114), steps
+  interleaved so load changes hit both alike; and our step's model GFLOP/s (pretrain.model.flops) as a
+  fraction of the matmul rate.
+Targets: our step / HF step <= 1.0 (aim 0.8); random, factorized_random <= 0.7 x vanilla; step > 40% of matmul.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from megatron.core import ModelParallelConfig
+from transformers import T5ForConditionalGeneration
+
+from pretrain.config import ModelConfig
+from pretrain.model import build_local_model, full_state_dict
+from pretrain.model.attention import MIXERS, RelativePositionBias, SelfAttention, parse_mixers
+from pretrain.model.flops import flops_per_sequence
+from pretrain.model.hf_convert import hf_config, to_hf_state_dict
+from pretrain.parallel import init_single_process
+
+SMALL = ModelConfig()  # T5 v1.1 small: d_model 512, d_ff 1024, 6 x 64 heads, 8 + 8 layers, vocab 32128, N 512
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def matmul_gflops(reps: int) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(reps))
+    return 2 * 2048**3 / best / 1e9
+
+
+def attention_times(batch: int, reps: int) -> dict[str, float]:
+    init_single_process()
+    mp_config = ModelParallelConfig(use_cpu_initialization=True)
+    n = SMALL.max_length
+    x = torch.randn(batch, n, SMALL.d_model, requires_grad=True)
+    bias = RelativePositionBias(SMALL, True, 0, 1)(n, n).detach()  # [1, heads, n, n]
+    mask = torch.zeros(batch, 1, 1, n)
+    layers = {name: SelfAttention(SMALL, parse_mixers(name), mp_config, 0, 1) for name in MIXERS}
+    times: dict[str, list[float]] = {name: [] for name in MIXERS}
+    for rep in range(reps + 1):  # round-robin, first round is warm-up
+        for name, layer in layers.items():
+            t = _seconds(lambda: layer(x, bias, mask).sum().backward())
+            if rep:
+                times[name].append(t)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def train_step_times(batch: int, reps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    ours = build_local_model(SMALL).train()
+    hf = T5ForConditionalGeneration(hf_config(SMALL)).train()
+    hf.lm_head.weight = torch.nn.Parameter(torch.empty_like(hf.lm_head.weight))  # v1.1: untied
+    hf.load_state_dict(to_hf_state_dict(full_state_dict(ours), SMALL))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 32000, (batch, 512), generator=g)
+    mask = torch.ones_like(ids)
+    labels = torch.randint(2, 32000, (batch, 114), generator=g)
+    dec = torch.cat([torch.zeros(batch, 1, dtype=torch.long), labels[:, :-1]], dim=1)
+    opt_ours, opt_hf = torch.optim.AdamW(ours.parameters()), torch.optim.AdamW(hf.parameters())
+
+    def step_ours():
+        ours(ids, mask, dec, labels).loss.backward()
+        opt_ours.step()
+        opt_ours.zero_grad(set_to_none=True)
+
+    def step_hf():
+        hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, labels=labels).loss.backward()
+        opt_hf.step()
+        opt_hf.zero_grad(set_to_none=True)
+
+    t_ours, t_hf = [], []
+    for rep in range(reps + 1):
+        a, b = _seconds(step_ours), _seconds(step_hf)
+        if rep:
+            t_ours.append(a)
+            t_hf.append(b)
+    return statistics.median(t_ours), statistics.median(t_hf)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="bench.model", description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (inputs 512, targets 114)")
+    parser.add_argument("--reps", type=int, default=3, help="measured repetitions (median); one warm-up extra")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, batch {args.batch}")
+    rate = matmul_gflops(5)
+    print(f"matmul 2048^3: {rate:.1f} GFLOP/s")
+
+    attn = attention_times(args.batch, args.reps)
+    print(f"\nself-attention layer fwd+bwd, batch {args.batch} x 512, T5-small width")
+    print(f"{'mixer':<20}{'ms':>10}{'x vanilla':>12}")
+    for name, t in attn.items():
+        print(f"{name:<20}{t * 1e3:>10.1f}{t / attn['vanilla']:>12.2f}")
+
+    ours, hf = train_step_times(args.batch, args.reps)
+    flops = flops_per_sequence(SMALL, 512, 114) * args.batch
+    print(f"\ntrain step (fwd+bwd+AdamW), T5-v1.1-small vanilla, batch {args.batch} x 512/114")
+    print(f"ours {ours:.2f} s, HuggingFace {hf:.2f} s, ratio ours/HF {ours / hf:.2f}")
+    print(f"ours {flops / ours / 1e9:.1f} model GFLOP/s = {flops / ours / 1e9 / rate:.0%} of measured matmul rate "
+          f"(HF {flops / hf / 1e9 / rate:.0%})")
+
+
+if __name__ == "__main__":
+    main()
