@@ -80,6 +80,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _empty_extra_state(module: torch.nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    # megatron's parallel layers put `_extra_state: None` into state dicts (TE compatibility; ignored on load);
+    # DeepSpeed's universal-checkpoint converter calls .float() on every entry, so store an empty tensor
+    for key in [k for k, v in state.items() if v is None and k.endswith("_extra_state")]:
+        state[key] = torch.empty(0)
+
+
 def _build_adafactor(train: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     # T5's Adafactor (Shazeer & Stern 2018): no momentum, beta2_t = 1 - t^-0.8, update clipping d = 1;
     # the learning rate comes from our schedule instead of Adafactor's relative step size.
@@ -100,6 +107,7 @@ def build_engine(
     # DeepSpeed's CPU comm backend JIT-compiles a shared-memory op (~30-60 s the first time on a machine)
     # that only serves inference all-reduce; training collectives go through torch.distributed.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    model.register_state_dict_post_hook(_empty_extra_state)
     groups = param_groups(model, train.weight_decay)
     optimizer = _build_adafactor(train, groups) if train.optimizer == "adafactor" else None
     engine, _, _, _ = deepspeed.initialize(
