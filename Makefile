@@ -15,7 +15,8 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 demo: setup
-	$(PY) -m demo
+	$(PY) -m pretrain.demo
 
 bench: setup
 	$(PY) -m bench.model
+	OMP_NUM_THREADS=1 $(PY) -m bench.data

@@ -20,6 +20,7 @@ from pretrain.config import DataConfig
 from pretrain.data import fetch as fetch_module
 from pretrain.data.c4 import expand_glob
 from pretrain.data.prepare import prepare
+from pretrain.data.shards import FORMAT_VERSION
 from tokenizer.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,15 +96,18 @@ def tokenizer_model(c4_dir: Path, data_cache: Path) -> str:
 
 @pytest.fixture(scope="session")
 def shards(c4_dir: Path, tokenizer_model: str, data_cache: Path) -> PreparedData:
-    """Train shards (8: enough for 2 DP ranks x 2 workers) and validation shards made with `tokenizer_model`."""
+    """Train shards (8: enough for 2 DP ranks x 2 workers) and validation shards made with `tokenizer_model`.
+
+    The cache key includes the shard format version, so fixtures of an older format are rebuilt."""
     train_files = expand_glob(str(c4_dir / "c4-train.*.json.gz"))
     valid_files = expand_glob(str(c4_dir / "c4-validation.*.json.gz"))
     key = _key(_files_digest(train_files + valid_files), hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest(),
+               FORMAT_VERSION,
                code=("pretrain/data/prepare.py", "pretrain/data/shards.py", "pretrain/data/c4.py", "tokenizer/spm.py"))
 
     def build(tmp: Path) -> None:
-        prepare(train_files, tmp / "train", tokenizer_model, workers=2)
-        prepare(valid_files, tmp / "valid", tokenizer_model, workers=1)
+        prepare(train_files, tmp / "train", tokenizer_model, workers=2)  # the default pack size, as the SLURM
+        prepare(valid_files, tmp / "valid", tokenizer_model, workers=1)  # pipeline test compares byte for byte
 
     folder = _build_once(data_cache / "test-fixtures" / f"shards-{key}", build)
     return PreparedData(train=str(folder / "train"), valid=str(folder / "valid"), tokenizer=tokenizer_model)

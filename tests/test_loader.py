@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from pretrain.data.c4 import expand_glob
 from pretrain.data.loader import build_eval_loader, build_train_loader
+from pretrain.data.prepare import prepare
 from pretrain.data.stream import batches, examples, start_position
 
 SENTINEL_FLOOR = 1000  # ids >= this are sentinels of the 1100-id test tokenizer
@@ -37,10 +39,16 @@ def uncorrupt(inputs, targets) -> list[int]:
 
 
 def tar_documents(path) -> list[tuple[int, ...]]:
-    """Token ids per document, read with the standard tarfile module (independent of the loader)."""
+    """Token ids per document, read with the standard tarfile module (independent of the loader): each pack's
+    `.u16` member cut at the document lengths of its `.lengths.u32` member."""
     with tarfile.open(path) as tar:
-        return [tuple(np.frombuffer(tar.extractfile(m).read(), "<u2").tolist())
-                for m in tar.getmembers() if m.name.endswith(".u16")]
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    docs = []
+    for name in sorted(n for n in members if n.endswith(".u16")):
+        tokens = np.frombuffer(members[name], "<u2").tolist()
+        ends = np.cumsum(np.frombuffer(members[name[: -len("u16")] + "lengths.u32"], "<u4")).tolist()
+        docs += [tuple(tokens[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+    return docs
 
 
 def assert_same_batches(a: list[dict], b: list[dict]):
@@ -121,10 +129,27 @@ def test_batch_format(shards):
         assert len(uncorrupt(inputs, targets)) == 70
 
 
-@pytest.mark.parametrize("stop", [3, 37])
-def test_resume_is_exact_with_workers_and_across_epochs(shards, stop):
-    # 4 streams over ~17k chunks: 256-chunk batches cross into epoch 1 after ~17 batches per stream
-    cfg = shards.config(workers=2, shuffle_buffer=200)
+@pytest.fixture(scope="module")
+def small_packs(shards, c4_dir, tmp_path_factory) -> str:
+    """The fixture's train shards prepared again with packs of ~2,048 tokens (~70 per shard instead of one)."""
+    out = tmp_path_factory.mktemp("small-packs")
+    prepare(expand_glob(str(c4_dir / "c4-train.*.json.gz")), out, shards.tokenizer, workers=2, pack_tokens=2048)
+    return str(out)
+
+
+def test_pack_size_does_not_change_the_batches(shards, small_packs):
+    def first(spec):
+        cfg = shards.config(train=spec, workers=2, shuffle_buffer=200)
+        return list(itertools.islice(build_train_loader(cfg, seed=2, dp_rank=1, dp_size=2, micro_batch=64), 12))
+
+    assert_same_batches(first(small_packs), first(shards.train))
+
+
+@pytest.mark.parametrize("stop, packed", [(3, False), (37, True)])
+def test_resume_is_exact_with_workers_and_across_epochs(shards, small_packs, stop, packed):
+    # 4 streams over ~17k chunks: 256-chunk batches cross into epoch 1 after ~17 batches per stream;
+    # with small packs the resume point lies past the first packs of a shard, which are skipped undecoded
+    cfg = shards.config(train=small_packs if packed else shards.train, workers=2, shuffle_buffer=200)
     make = functools.partial(build_train_loader, cfg, seed=11, dp_rank=1, dp_size=2, micro_batch=256)
     whole = make()
     full = list(itertools.islice(whole, 44))
@@ -160,22 +185,42 @@ def test_too_few_shards_is_a_clear_error(shards):
                            micro_batch=2)
 
 
-def test_damaged_shards_are_skipped_with_a_warning(shards, tmp_path, caplog):
+def test_damaged_shards_are_skipped_with_a_warning(shards, small_packs, tmp_path, caplog):
     names = ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
     for n in names + ["index.json"]:  # the index's document counts reveal a silently short shard
-        shutil.copy(f"{shards.train}/{n}", tmp_path / n)
+        shutil.copy(f"{small_packs}/{n}", tmp_path / n)  # ~70 packs each: damage can hit a member header
     data = (tmp_path / names[0]).read_bytes()
     (tmp_path / names[0]).write_bytes(data[: len(data) // 3])  # truncated tar
     data = bytearray((tmp_path / names[1]).read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 1024] = b"\x07" * 1024  # an unreadable member header
+    data[len(data) // 2 : len(data) // 2 + 1024] = b"\x07" * 1024  # garbled mid-shard: a header and/or pack data
     (tmp_path / names[1]).write_bytes(bytes(data))
+    with tarfile.open(tmp_path / names[2]) as tar:  # garbled ids inside a pack: only its crc32 reveals it
+        member = [m for m in tar.getmembers() if m.name.endswith(".u16")][3]
+    data = bytearray((tmp_path / names[2]).read_bytes())
+    data[member.offset_data + 100 : member.offset_data + 104] = b"\x01\x02\x03\x04"
+    (tmp_path / names[2]).write_bytes(bytes(data))
     cfg = shards.config(train=str(tmp_path / "*.tar"), shuffle_buffer=16)
     loader = build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=256)
     with caplog.at_level(logging.WARNING):
         got = list(itertools.islice(loader, 40))  # well past one epoch of the three shards
     assert len(got) == 40
-    assert loader.num_damaged_shards >= 2
+    assert loader.num_damaged_shards >= 3  # each of the three, at least once
     assert "damaged shard reads skipped so far" in caplog.text  # logged by the main process
+    damaged = [0]  # one epoch in this process, where the per-shard warnings can be read
+    with caplog.at_level(logging.WARNING):
+        for _, _, after in examples(loader.spec, 0, start_position(), damaged):
+            if after["epoch"] == 1:
+                break
+    assert damaged == [3]
+    assert "fails its crc32 check" in caplog.text
+
+
+def test_shards_of_another_format_are_refused(shards, tmp_path):
+    shutil.copy(f"{shards.train}/shard-000000.tar", tmp_path)
+    index = json.loads(Path(shards.train, "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps({**index, "format": 1}))
+    with pytest.raises(ValueError, match="in format 1, this loader reads format 2; prepare them again"):
+        build_train_loader(shards.config(train=str(tmp_path)), seed=0, dp_rank=0, dp_size=1, micro_batch=2)
 
 
 @pytest.fixture

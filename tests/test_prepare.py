@@ -9,7 +9,7 @@ import sentencepiece as spm
 
 from pretrain.data.c4 import expand_glob
 from pretrain.data.prepare import main, prepare
-from pretrain.data.shards import decode_tokens, read_samples
+from pretrain.data.shards import decode_pack, pack_urls, read_packs
 
 GOOD = [{"text": f"Document number {i} talks about the court of appeals.", "timestamp": "t", "url": f"u{i}"}
         for i in range(6)]
@@ -20,11 +20,15 @@ def write_c4(path, lines: list[bytes]):
         f.write(b"".join(line + b"\n" for line in lines))
 
 
-def read_shard(path):
+def read_shard(path) -> list[tuple[np.ndarray, str]]:
+    """(token ids, url) per document of a shard."""
     errors = []
-    samples = list(read_samples(str(path), errors.append))
+    docs = []
+    for pack in read_packs(str(path), errors.append):
+        tokens, lengths = decode_pack(pack)
+        docs += list(zip(np.split(tokens, np.cumsum(lengths)[:-1]), pack_urls(pack)))
     assert not errors
-    return samples
+    return docs
 
 
 def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, capsys):
@@ -38,7 +42,7 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, ca
     whole = gzip.compress(b"".join(line + b"\n" for line in good[4:] * 400))
     (src / "c4-train.00001-of-00002.json.gz").write_bytes(whole[: len(whole) // 2])  # truncated gzip
     main(["--input", str(src / "*.json.gz"), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model,
-          "--workers", "2"])
+          "--workers", "2", "--pack-tokens", "1000"])
     out = capsys.readouterr().out
     assert "bad input skipped: invalid_json=1, non_utf8=1, missing_text=3, truncated_gzip=1" in out
     index = json.loads((tmp_path / "out" / "index.json").read_text())
@@ -47,17 +51,18 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, ca
     assert index["complete"] and index["num_ids"] == 1100
 
     sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
-    samples = read_shard(tmp_path / "out" / "shard-000000.tar")
-    assert [s["url"].decode() for s in samples] == ["u0", "u1", "u2", "u3"]
-    for s, doc in zip(samples, GOOD):
-        np.testing.assert_array_equal(decode_tokens(s), sp.encode(doc["text"]))
-        assert s["u16"] == np.asarray(sp.encode(doc["text"]), "<u2").tobytes()  # 2 bytes per id
+    docs = read_shard(tmp_path / "out" / "shard-000000.tar")
+    assert [url for _, url in docs] == ["u0", "u1", "u2", "u3"]
+    for (ids, _), doc in zip(docs, GOOD):
+        assert ids.dtype == np.dtype("<u2")  # 2 bytes per id
+        np.testing.assert_array_equal(ids, sp.encode(doc["text"]))
     # the documents before the damage in the truncated file were kept
     truncated = read_shard(tmp_path / "out" / "shard-000001.tar")
     assert 0 < len(truncated) < 800
     assert index["shards"]["shard-000001.tar"]["documents"] == len(truncated)
+    assert index["shards"]["shard-000001.tar"]["packs"] > 1  # documents round-trip across pack boundaries
     assert index["documents"] == 4 + len(truncated)
-    assert index["tokens"] == sum(len(decode_tokens(s)) for s in samples + truncated)
+    assert index["tokens"] == sum(len(ids) for ids, _ in docs + truncated)
 
 
 def test_idempotent_and_split_across_array_tasks(tmp_path, c4_dir, tokenizer_model):

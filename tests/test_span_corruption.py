@@ -58,12 +58,16 @@ def test_known_values():
     assert input_and_target_lengths(64) == (70, 14)  # round-half-even: 70 * 0.15 = 10.5 -> 10
 
 
-def test_noise_density_and_mean_span_length_over_many_samples():
+@pytest.mark.parametrize("batched", [False, True])
+def test_noise_density_and_mean_span_length_over_many_samples(batched):
     rng = np.random.default_rng(1)
     tokens = np.arange(3, 3 + 568)
+    if batched:  # one call for all 2000 chunks, as the loader corrupts a whole shuffle block
+        pairs = zip(*span_corrupt(np.tile(tokens, (2000, 1)), rng, vocab_size=VOCAB, eos_id=1))
+    else:
+        pairs = (span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1) for _ in range(2000))
     noise, spans, position_rate = 0, 0, np.zeros(568)
-    for _ in range(2000):
-        inputs, targets = span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1)
+    for inputs, targets in pairs:
         mask = noise_mask_of(tokens, inputs[:-1])
         mask[np.isin(tokens, targets[:-1])] = True  # first tokens of spans were replaced by a sentinel
         noise += mask.sum()
@@ -80,24 +84,45 @@ def test_noise_density_and_mean_span_length_over_many_samples():
     assert np.abs(position_rate[20:-20] / 2000 - 0.15).max() < 0.05  # uniform away from the ends
 
 
+def assert_t5_pair(tokens: np.ndarray, inputs: np.ndarray, targets: np.ndarray) -> None:
+    """Sentinels count down from VOCAB - 1 in both, both end with EOS, and they rebuild `tokens`."""
+    assert inputs[-1] == 1 and targets[-1] == 1
+    in_sent = inputs[inputs >= VOCAB - 100]
+    tg_sent = targets[targets >= VOCAB - 100]
+    k = len(in_sent)
+    assert k >= 1
+    np.testing.assert_array_equal(in_sent, VOCAB - 1 - np.arange(k))  # <extra_id_0> = VOCAB - 1, counting down
+    np.testing.assert_array_equal(tg_sent, VOCAB - 1 - np.arange(k))
+    assert targets[0] == VOCAB - 1
+    # fill each sentinel in the inputs with the target span that follows the same sentinel
+    spans = np.split(targets[:-1], np.flatnonzero(targets[:-1] >= VOCAB - 100)[1:])
+    filled = {int(s[0]): s[1:] for s in spans}
+    rebuilt = np.concatenate([filled[int(t)] if t >= VOCAB - 100 else [t] for t in inputs[:-1]])
+    np.testing.assert_array_equal(rebuilt, tokens)
+
+
 def test_sentinel_order_and_reconstruction():
     rng = np.random.default_rng(3)
     for length in [2, 5, 70, 568, 1137]:
         tokens = rng.integers(3, VOCAB - 100, size=length)
-        inputs, targets = span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1)
-        assert inputs[-1] == 1 and targets[-1] == 1
-        in_sent = inputs[inputs >= VOCAB - 100]
-        tg_sent = targets[targets >= VOCAB - 100]
-        k = len(in_sent)
-        assert k >= 1
-        np.testing.assert_array_equal(in_sent, VOCAB - 1 - np.arange(k))  # <extra_id_0> = VOCAB - 1, counting down
-        np.testing.assert_array_equal(tg_sent, VOCAB - 1 - np.arange(k))
-        assert targets[0] == VOCAB - 1
-        # fill each sentinel in the inputs with the target span that follows the same sentinel
-        spans = np.split(targets[:-1], np.flatnonzero(targets[:-1] >= VOCAB - 100)[1:])
-        filled = {int(s[0]): s[1:] for s in spans}
-        rebuilt = np.concatenate([filled[int(t)] if t >= VOCAB - 100 else [t] for t in inputs[:-1]])
-        np.testing.assert_array_equal(rebuilt, tokens)
+        assert_t5_pair(tokens, *span_corrupt(tokens, rng, vocab_size=VOCAB, eos_id=1))
+
+
+def test_many_chunks_in_one_call():
+    rng = np.random.default_rng(4)
+    for length in [2, 70, 568]:
+        chunks = rng.integers(3, VOCAB - 100, size=(50, length)).astype(np.int32)
+        inputs, targets = span_corrupt(chunks, rng, vocab_size=VOCAB, eos_id=1)
+        lengths = t5_lengths(length, 0.15, 3.0) if length > 2 else (3, 3)  # at least one noise token
+        assert inputs.shape == (50, lengths[0]) and targets.shape == (50, lengths[1])
+        assert inputs.dtype == np.int32
+        for row, i, t in zip(chunks, inputs, targets):
+            assert_t5_pair(row, i, t)
+    masks = {tuple(noise_mask_of(np.arange(568), i[:-1])) for i in  # rows draw independent masks
+             span_corrupt(np.tile(np.arange(568), (50, 1)), rng, vocab_size=VOCAB, eos_id=1)[0]}
+    assert len(masks) == 50
+    with pytest.raises(ValueError, match="chunks"):
+        span_corrupt(np.zeros((2, 3, 70), np.int32), rng, vocab_size=VOCAB, eos_id=1)
 
 
 def test_deterministic_given_the_generator_and_bad_lengths():

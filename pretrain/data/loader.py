@@ -16,7 +16,7 @@ from typing import Iterator
 from torch.utils.data import DataLoader
 
 from pretrain.config import DataConfig
-from pretrain.data.shards import expand_shards, read_index
+from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, TrainStreams, collate, examples, start_position
 from tokenizer.spm import Tokenizer
@@ -35,6 +35,9 @@ def _spec(cfg: DataConfig, spec: str, *, seed: int, dp_rank: int, dp_size: int, 
     tok = Tokenizer(cfg.tokenizer)
     shards = expand_shards(spec)
     index = read_index(spec)
+    if index is not None and index.get("format", 1) != FORMAT_VERSION:
+        raise ValueError(f"shards in {spec!r} are in format {index.get('format', 1)}, this loader reads format "
+                         f"{FORMAT_VERSION}; prepare them again with `python -m pretrain.data.prepare`")
     if index is not None and index.get("num_ids") != tok.num_ids:
         raise ValueError(f"shards in {spec!r} were prepared with a tokenizer of {index.get('num_ids')} ids but "
                          f"data.tokenizer ({cfg.tokenizer}) has {tok.num_ids}; prepare them with that tokenizer")

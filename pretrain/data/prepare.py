@@ -1,10 +1,11 @@
 """`python -m pretrain.data.prepare --input 'GLOB' --output DIR --tokenizer MODEL`: C4 json.gz -> webdataset shards.
 
-One shard per input file (`shard-NNNNNN.tar`, N the file's position in the sorted glob), tokenized with the
-SentencePiece model, plus a sidecar `shard-NNNNNN.json` (documents, tokens, bad input) and `index.json`
-gathering them. Parallel over files with a process pool (`--workers`) and across machines as a SLURM array
-job (`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is written
-under a temporary name and renamed, and shards already present are skipped. Bad input is skipped, counted
+One shard per input file (`shard-NNNNNN.tar`, N the file's position in the sorted glob; documents in packs of
+`--pack-tokens` tokens, see pretrain/data/shards.py), tokenized with the SentencePiece model, plus a sidecar
+`shard-NNNNNN.json` (documents, tokens, packs, bad input, format) and `index.json` gathering them. Parallel
+over files with a process pool (`--workers`) and across machines as a SLURM array job
+(`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is written under a
+temporary name and renamed, and shards already present in the current format are skipped. Bad input is skipped, counted
 and reported at the end and in the index; it never stops the run.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from webdataset import TarWriter
 
 from pretrain.data.c4 import BAD_KINDS, expand_glob, read_documents
-from pretrain.data.shards import INDEX, encode_sample, shard_name, token_suffix, write_json
+from pretrain.data.shards import FORMAT_VERSION, INDEX, PACK_TOKENS, encode_pack, shard_name, token_suffix, write_json
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,43 +35,64 @@ def _sidecar(tar: Path) -> Path:
     return tar.with_suffix(".json")
 
 
-def prepare_file(source: str, tar: Path, tokenizer_path: str) -> dict:
-    """Tokenize one C4 file into one shard (temporary name, then rename); returns its sidecar record."""
+def prepare_file(source: str, tar: Path, tokenizer_path: str, pack_tokens: int = PACK_TOKENS) -> dict:
+    """Tokenize one C4 file into one shard of document packs (temporary name, then rename); returns its
+    sidecar record. A pack is written once it holds `pack_tokens` tokens, so memory stays bounded."""
     tok = Tokenizer(tokenizer_path)
     suffix = token_suffix(tok.num_ids)
     bad: Counter = Counter()
-    stats = {"source": os.path.basename(source), "documents": 0, "tokens": 0, "bytes": os.path.getsize(source)}
+    stats = {"source": os.path.basename(source), "documents": 0, "tokens": 0, "packs": 0,
+             "bytes": os.path.getsize(source), "format": FORMAT_VERSION}
     tmp = tar.with_name(tar.name + f".tmp{os.getpid()}")
+    pack: dict = {"ids": [], "urls": [], "tokens": 0}  # the pack being filled
 
-    def flush(writer: TarWriter, batch: list[dict]) -> None:
+    def write_pack(writer: TarWriter) -> None:
+        writer.write(encode_pack(f"{tar.stem}_{stats['packs']:06d}", pack["ids"], pack["urls"], suffix))
+        stats["packs"] += 1
+        pack.update(ids=[], urls=[], tokens=0)
+
+    def encode(writer: TarWriter, batch: list[dict]) -> None:
         for doc, ids in zip(batch, tok.encode_batch([d["text"] for d in batch])):
-            writer.write(encode_sample(f"{tar.stem}_{stats['documents']:09d}", ids, doc.get("url", ""), suffix))
+            pack["ids"].append(ids)
+            pack["urls"].append(doc.get("url", ""))
+            pack["tokens"] += len(ids)
             stats["documents"] += 1
             stats["tokens"] += len(ids)
+            if pack["tokens"] >= pack_tokens:
+                write_pack(writer)
 
     with open(tmp, "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
         batch: list[dict] = []
         for doc in read_documents(source, bad):
             batch.append(doc)
             if len(batch) == ENCODE_BATCH:
-                flush(writer, batch)
+                encode(writer, batch)
                 batch = []
-        flush(writer, batch)
+        encode(writer, batch)
+        if pack["ids"]:
+            write_pack(writer)
     stats["bad"] = {k: bad[k] for k in BAD_KINDS}
     write_json(_sidecar(tar), stats)  # sidecar first: a finished tar always has its record
     tmp.replace(tar)
     return stats
 
 
+def _finished(tar: Path) -> bool:
+    """A shard of the current format whose sidecar exists (shards of an older format are rebuilt)."""
+    return (tar.is_file() and _sidecar(tar).is_file()
+            and json.loads(_sidecar(tar).read_text()).get("format") == FORMAT_VERSION)
+
+
 def write_index(output: Path, shards: list[Path], tokenizer_path: str) -> dict:
     """index.json over every shard whose sidecar exists; `complete` says whether all shards are done."""
     entries = {}
     for tar in shards:
-        if tar.is_file() and _sidecar(tar).is_file():
+        if _finished(tar):
             entries[tar.name] = json.loads(_sidecar(tar).read_text())
     tok = Tokenizer(tokenizer_path)
     index = {
         "complete": len(entries) == len(shards),
+        "format": FORMAT_VERSION,
         "tokenizer_sha256": hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest(),
         "num_ids": tok.num_ids,
         "documents": sum(e["documents"] for e in entries.values()),
@@ -83,18 +105,19 @@ def write_index(output: Path, shards: list[Path], tokenizer_path: str) -> dict:
 
 
 def prepare(
-    files: list[str], output: Path, tokenizer_path: str, workers: int = 1, task_index: int = 0, num_tasks: int = 1
+    files: list[str], output: Path, tokenizer_path: str, workers: int = 1, task_index: int = 0, num_tasks: int = 1,
+    pack_tokens: int = PACK_TOKENS,
 ) -> dict:
     """Prepare this task's share of `files` (every num_tasks-th, from task_index); returns the index."""
     output.mkdir(parents=True, exist_ok=True)
     shards = [output / shard_name(i) for i in range(len(files))]
-    todo = [(f, s) for f, s in list(zip(files, shards))[task_index::num_tasks] if not s.is_file()]
+    todo = [(f, s) for f, s in list(zip(files, shards))[task_index::num_tasks] if not _finished(s)]
     skipped = len(files[task_index::num_tasks]) - len(todo)
     if skipped:
         log.info("%d shards already present, skipped", skipped)
     bar = tqdm(total=sum(os.path.getsize(f) for f, _ in todo), unit="B", unit_scale=True, desc="prepare")
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(prepare_file, f, s, tokenizer_path) for f, s in todo]
+        futures = [pool.submit(prepare_file, f, s, tokenizer_path, pack_tokens) for f, s in todo]
         for fut in futures:
             bar.update(fut.result()["bytes"])
     bar.close()
@@ -106,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input", required=True, help="quoted glob of C4 json.gz files")
     p.add_argument("--output", required=True, type=Path, help="folder for the shards and index.json")
     p.add_argument("--tokenizer", required=True, help="spiece.model from `python -m tokenizer.train`")
+    p.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
+                   help=f"tokens per document pack (tar member) (default {PACK_TOKENS})")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     # array ids may start anywhere (--array=1-8): the task index counts from SLURM_ARRAY_TASK_MIN
     array_id, array_min = (int(os.environ.get(k, 0)) for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN"))
@@ -115,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not 0 <= args.task_index < args.num_tasks:
         p.error(f"--task-index ({args.task_index}) must be in [0, --num-tasks ({args.num_tasks}))")
+    if args.pack_tokens < 1:
+        p.error(f"--pack-tokens must be at least 1, got {args.pack_tokens}")
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     try:
@@ -122,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         Tokenizer(args.tokenizer)
     except ValueError as e:
         p.error(str(e))
-    index = prepare(files, args.output, args.tokenizer, args.workers, args.task_index, args.num_tasks)
+    index = prepare(files, args.output, args.tokenizer, args.workers, args.task_index, args.num_tasks,
+                    args.pack_tokens)
     bad = ", ".join(f"{k}={v}" for k, v in index["bad"].items() if v) or "none"
     state = "complete" if index["complete"] else "partial (other tasks still running)"
     print(f"{args.output}: {len(index['shards'])} shards, {index['documents']} documents, "

@@ -1,8 +1,16 @@
-"""The shard format and where shards come from: naming, the per-document sample codec, the index, shard specs.
+"""The shard format and where shards come from: naming, the document-pack codec, the index, shard specs.
 
-A shard is a webdataset tar: one sample per document, `KEY.u16` (or `.u32` for vocabularies over 65,536 ids)
-holding the token ids as little-endian integers without EOS, and `KEY.url` the source url. Next to the shards,
-`index.json` lists documents and tokens per shard and the bad input skipped while preparing them.
+A shard is a webdataset tar of *packs*, each holding up to `PACK_TOKENS` tokens of consecutive documents
+(format 2; format 1 had two tar members per document, and parsing them cost more than the rest of the loader):
+
+    KEY.u16          the pack's token ids, documents concatenated without EOS, little-endian
+                     (`KEY.u32` for vocabularies over 65,536 ids)
+    KEY.lengths.u32  tokens per document, little-endian uint32: the document boundaries
+    KEY.json         {"documents", "tokens", "crc32" (of the lengths bytes then the token bytes), "urls"}
+
+A tar has no checksum on member data, so the crc32 is what reveals a garbled pack. Next to the shards,
+`index.json` lists documents and tokens per shard, the format version and the bad input skipped while
+preparing them.
 
 A shard spec (`data.train` / `data.valid`) is a directory, a glob, a brace pattern
 (`shard-{000000..001023}.tar`) or webdataset URLs (`pipe:CMD`, `http(s)://...`, brace patterns allowed).
@@ -10,10 +18,12 @@ A shard spec (`data.train` / `data.valid`) is a directory, a glob, a brace patte
 from __future__ import annotations
 
 import glob as globlib
+import itertools
 import json
 import logging
 import os
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -25,7 +35,10 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 log = logging.getLogger(__name__)
 
 INDEX = "index.json"
+FORMAT_VERSION = 2  # in index.json and each sidecar; the loader refuses shards of another version
+PACK_TOKENS = 1 << 19  # ~1 MB of u16 per pack: few tar members per shard, and resume re-reads at most one pack
 _URL_SCHEMES = ("pipe:", "http://", "https://", "file:")
+_LENGTHS = "lengths.u32"
 
 
 def shard_name(index: int) -> str:
@@ -36,18 +49,42 @@ def token_suffix(num_ids: int) -> str:
     return "u16" if num_ids <= 1 << 16 else "u32"
 
 
-def encode_sample(key: str, ids: list[int], url: str, suffix: str) -> dict:
-    dtype = "<u2" if suffix == "u16" else "<u4"
-    return {"__key__": key, suffix: np.asarray(ids, dtype=dtype).tobytes(), "url": url.encode("utf-8")}
+def encode_pack(key: str, docs: list[list[int]], urls: list[str], suffix: str) -> dict:
+    """One webdataset sample holding the documents `docs` (token ids without EOS) and their urls."""
+    lengths = np.fromiter((len(d) for d in docs), dtype="<u4", count=len(docs))
+    tokens = np.fromiter(itertools.chain.from_iterable(docs), dtype="<u2" if suffix == "u16" else "<u4",
+                         count=int(lengths.sum()))
+    length_bytes, token_bytes = lengths.tobytes(), tokens.tobytes()
+    meta = {"documents": len(docs), "tokens": len(tokens), "urls": urls,
+            "crc32": zlib.crc32(token_bytes, zlib.crc32(length_bytes))}
+    return {"__key__": key, suffix: token_bytes, _LENGTHS: length_bytes, "json": json.dumps(meta).encode()}
 
 
-def decode_tokens(sample: dict) -> np.ndarray:
-    """Token ids of one sample as int32 (what the chunker concatenates)."""
-    if "u16" in sample:
-        return np.frombuffer(sample["u16"], dtype="<u2").astype(np.int32)
-    if "u32" in sample:
-        return np.frombuffer(sample["u32"], dtype="<u4").astype(np.int32)
-    raise ValueError(f"sample {sample.get('__key__')} has no token member (.u16/.u32)")
+def num_pack_documents(sample: dict) -> int:
+    """Documents in a pack, read from its lengths member alone (skipping a pack needs no decoding)."""
+    return len(sample.get(_LENGTHS, b"")) // 4
+
+
+def decode_pack(sample: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids [tokens] as stored, tokens per document [documents] int64) of a pack, verified by its crc32.
+
+    A missing member or a checksum mismatch (a garbled or pre-format-2 shard) raises ValueError.
+    """
+    suffix = "u16" if "u16" in sample else "u32"
+    if suffix not in sample or _LENGTHS not in sample or "json" not in sample:
+        raise ValueError(f"sample {sample.get('__key__')} is not a format-{FORMAT_VERSION} document pack (members "
+                         f"{sorted(k for k in sample if not k.startswith('__'))}); re-prepare the shards with "
+                         "`python -m pretrain.data.prepare`")
+    token_bytes, length_bytes = sample[suffix], sample[_LENGTHS]
+    meta = json.loads(sample["json"])
+    if zlib.crc32(token_bytes, zlib.crc32(length_bytes)) != meta.get("crc32"):
+        raise ValueError(f"pack {sample['__key__']} fails its crc32 check: the shard is garbled")
+    tokens = np.frombuffer(token_bytes, dtype="<u2" if suffix == "u16" else "<u4")
+    return tokens, np.frombuffer(length_bytes, dtype="<u4").astype(np.int64)
+
+
+def pack_urls(sample: dict) -> list[str]:
+    return json.loads(sample["json"])["urls"]
 
 
 def expand_shards(spec: str) -> list[str]:
@@ -78,8 +115,8 @@ def open_shard(url: str) -> IO[bytes]:
     return gopen(url, "rb")
 
 
-def read_samples(url: str, on_error) -> Iterator[dict]:
-    """Samples of one shard in order. A damaged member or truncated tar calls `on_error(exn)` and ends or skips."""
+def read_packs(url: str, on_error) -> Iterator[dict]:
+    """Packs (raw samples) of one shard in order; a damaged member or truncated tar calls `on_error(exn)`."""
     try:
         stream = open_shard(url)
     except Exception as exn:  # unreachable URL, missing file, failing pipe: the shard is skipped

@@ -6,8 +6,6 @@ round-half-even, as `tf.round` and Python's `round` do (70 raw tokens -> 10 nois
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 
@@ -38,33 +36,30 @@ def input_and_target_lengths(
     return raw_length, targets_length
 
 
-def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
-    """Split `num_items` into `num_segments` non-empty parts, uniformly over all such splits."""
-    # a uniformly random (num_segments - 1)-subset of the num_items - 1 gaps marks where segments start
-    cuts = np.sort(rng.permutation(num_items - 1)[: num_segments - 1]) + 1
-    edges = np.empty(num_segments + 1, dtype=np.int64)
-    edges[0], edges[-1], edges[1:-1] = 0, num_items, cuts
-    return np.diff(edges)
+def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator, rows: int) -> np.ndarray:
+    """[rows, num_segments]: each row splits `num_items` into non-empty parts, uniformly over all such splits."""
+    if num_segments == 1:
+        return np.full((rows, 1), num_items, dtype=np.int64)
+    # a uniformly random (num_segments - 1)-subset of the num_items - 1 gaps marks where segments start:
+    # the gaps holding the smallest of i.i.d. uniform keys
+    keys = rng.random((rows, num_items - 1))
+    edges = np.empty((rows, num_segments + 1), dtype=np.int64)
+    edges[:, 0], edges[:, -1] = 0, num_items
+    edges[:, 1:-1] = np.sort(np.argpartition(keys, num_segments - 2, axis=1)[:, : num_segments - 1], axis=1) + 1
+    return np.diff(edges, axis=1)
 
 
 def noise_span_lengths(
-    length: int, rng: np.random.Generator, noise_density: float = 0.15, mean_noise_span_length: float = 3.0
+    length: int, rng: np.random.Generator, noise_density: float = 0.15, mean_noise_span_length: float = 3.0,
+    rows: int = 1,
 ) -> np.ndarray:
-    """Interleaved span lengths [non-noise 0, noise 0, non-noise 1, noise 1, ...]: the noise mask's runs."""
+    """[rows, 2 * spans] interleaved run lengths [non-noise 0, noise 0, non-noise 1, ...]: the noise masks' runs."""
     num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
     num_spans = max(int(round(num_noise / mean_noise_span_length)), 1)
-    lengths = np.empty(2 * num_spans, dtype=np.int64)
-    lengths[0::2] = _random_segmentation(length - num_noise, num_spans, rng)
-    lengths[1::2] = _random_segmentation(num_noise, num_spans, rng)
+    lengths = np.empty((rows, 2 * num_spans), dtype=np.int64)
+    lengths[:, 0::2] = _random_segmentation(length - num_noise, num_spans, rng, rows)
+    lengths[:, 1::2] = _random_segmentation(num_noise, num_spans, rng, rows)
     return lengths
-
-
-@lru_cache(maxsize=64)
-def _alternating(num_spans: int) -> np.ndarray:
-    """[False, True] * num_spans: the noise flag of each run (cached: np.tile costs as much as the rest)."""
-    pattern = np.arange(2 * num_spans) % 2 == 1
-    pattern.flags.writeable = False
-    return pattern
 
 
 def span_corrupt(
@@ -76,32 +71,33 @@ def span_corrupt(
     noise_density: float = 0.15,
     mean_noise_span_length: float = 3.0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) for one raw chunk, both ending with EOS.
+    """(inputs, targets) for one raw chunk [length], or for many at once [n, length] -> [n, ...].
 
     inputs:  non-noise tokens, each noise span replaced by one sentinel, then EOS.
     targets: <extra_id_0> span 0 <extra_id_1> span 1 ... EOS; sentinel i is id vocab_size - 1 - i.
+    Every chunk of one length has the same number of noise tokens and spans, hence the same output lengths,
+    which is what lets a whole block be corrupted with a few array operations.
     """
     tokens = np.asarray(tokens)
-    length = len(tokens)
+    if tokens.ndim not in (1, 2):
+        raise ValueError(f"span_corrupt takes a chunk [length] or chunks [n, length], got shape {tokens.shape}")
+    chunks = tokens.reshape(-1, tokens.shape[-1])  # [n, length]
+    rows, length = chunks.shape
     if length < 2:
         raise ValueError(f"a chunk to corrupt needs at least 2 tokens, got {length}")
-    spans = noise_span_lengths(length, rng, noise_density, mean_noise_span_length)
-    starts = np.cumsum(spans) - spans  # start of each run; even runs are kept, odd runs are noise
-    is_noise = np.repeat(_alternating(len(spans) // 2), spans)
-    sentinels = (vocab_size - 1 - np.arange(len(spans) // 2)).astype(tokens.dtype)
+    spans = noise_span_lengths(length, rng, noise_density, mean_noise_span_length, rows)  # [n, 2 * spans]
+    first = np.zeros((rows, length), dtype=bool)  # the first token of each run
+    np.put_along_axis(first, np.cumsum(spans, axis=1) - spans, True, axis=1)
+    run = np.cumsum(first, axis=1) - 1  # [n, length]: even runs are kept, odd runs are noise
+    is_noise = (run & 1).astype(bool)
+    sentinel = (vocab_size - 1 - (run >> 1)).astype(tokens.dtype)  # span i's sentinel, on its tokens
 
-    keep_in_inputs = ~is_noise
-    keep_in_inputs[starts[1::2]] = True  # the first token of each noise span becomes its sentinel
-    keep_in_targets = is_noise.copy()
-    keep_in_targets[starts[0::2]] = True  # the first token of each kept span becomes a sentinel
-
-    with_sentinels = tokens.copy()
-    with_sentinels[starts[1::2]] = sentinels
-    inputs = np.empty(int(keep_in_inputs.sum()) + 1, dtype=tokens.dtype)
-    inputs[:-1], inputs[-1] = with_sentinels[keep_in_inputs], eos_id
-
-    with_sentinels = tokens.copy()
-    with_sentinels[starts[0::2]] = sentinels
-    targets = np.empty(int(keep_in_targets.sum()) + 1, dtype=tokens.dtype)
-    targets[:-1], targets[-1] = with_sentinels[keep_in_targets], eos_id
-    return inputs, targets
+    # inputs keep non-noise tokens and the first token of each noise span, which becomes its sentinel;
+    # targets keep noise tokens and the first token of each kept span, which becomes the next span's sentinel
+    kept_inputs = np.where(is_noise, sentinel, chunks)[~is_noise | first].reshape(rows, -1)
+    kept_targets = np.where(is_noise, chunks, sentinel)[is_noise | first].reshape(rows, -1)
+    inputs = np.empty((rows, kept_inputs.shape[1] + 1), dtype=tokens.dtype)
+    inputs[:, :-1], inputs[:, -1] = kept_inputs, eos_id
+    targets = np.empty((rows, kept_targets.shape[1] + 1), dtype=tokens.dtype)
+    targets[:, :-1], targets[:, -1] = kept_targets, eos_id
+    return (inputs[0], targets[0]) if tokens.ndim == 1 else (inputs, targets)

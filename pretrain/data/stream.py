@@ -12,8 +12,10 @@ and a stream's position is six integers, so a restart rebuilds the exact same ba
     block   blocks started in this epoch (a block is `shuffle_buffer` chunks, shuffled as a whole)
     next    chunks of the block already emitted
 
-Resuming re-reads one block (at most `shuffle_buffer` chunks plus the skipped head of one shard); the cost
-never grows with the data consumed.
+Resuming re-reads one block (at most `shuffle_buffer` chunks; the head of one shard is read but its packs
+before the resume point are not decoded); the cost never grows with the data consumed. The hot path works
+on whole arrays: documents are joined with EOS a pack (~0.5M tokens) at a time, and a block is permuted and
+span-corrupted in one vectorised call; per example only a row is sliced out.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from pretrain.data.shards import decode_tokens, read_samples
-from pretrain.data.span_corruption import noise_span_lengths, span_corrupt
+from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
+from pretrain.data.span_corruption import span_corrupt
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,26 @@ def epoch_shards(spec: StreamSpec, epoch: int, stream: int) -> list[str]:
     return [spec.shards[i] for i in mine]
 
 
-def _read_checked(spec: StreamSpec, url: str, damaged: list[int]) -> Iterator[dict]:
-    """Samples of one shard; damage (a read error, or fewer documents than the index lists) warns and counts.
-
-    A garbled member header ends a tar stream silently, so the index's document count is what reveals it.
+def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
+                  damaged: list[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(index of the first document, token ids, tokens per document) of each pack of one shard, from the
+    pack holding document `skip_docs` on; packs before it are counted but not decoded. Damage (a read
+    error, a pack failing its checksum, or fewer documents than the index lists) warns, counts and ends
+    the shard: a garbled member header ends a tar stream silently, so the index's count is what reveals it.
     """
     errors: list[Exception] = []
     n = 0
-    for n, sample in enumerate(read_samples(url, errors.append), 1):
-        yield sample
+    for sample in read_packs(url, errors.append):
+        first, n = n, n + num_pack_documents(sample)
+        if n <= skip_docs:
+            continue  # before the resume point: skipped without decoding
+        try:
+            tokens, lengths = decode_pack(sample)
+        except ValueError as exn:
+            errors.append(exn)
+            n = first
+            break
+        yield first, tokens, lengths
     expected = spec.expected_docs[spec.shards.index(url)] if spec.expected_docs else None
     if errors or (expected is not None and n < expected):
         damaged[0] += 1
@@ -82,41 +95,59 @@ def _read_checked(spec: StreamSpec, url: str, damaged: list[int]) -> Iterator[di
         log.warning("skipping the rest of damaged shard %s: %s", url, why)
 
 
-def documents(spec: StreamSpec, shards: list[str], shard: int, doc: int,
-              damaged: list[int]) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(shard index, document index, ids + EOS) from (shard, doc) to the end of the epoch's shard list."""
-    for si in range(shard, len(shards)):
-        for di, sample in enumerate(_read_checked(spec, shards[si], damaged)):
-            if si == shard and di < doc:
-                continue  # before the resume point: skipped without decoding
-            ids = decode_tokens(sample)
-            with_eos = np.empty(len(ids) + 1, dtype=np.int32)
-            with_eos[:-1], with_eos[-1] = ids, spec.eos_id  # documents are joined with EOS
-            yield si, di, with_eos
+def _with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the pack's documents each followed by EOS, int32, start of each document in it plus the end)."""
+    eos_at = np.cumsum(lengths) + np.arange(len(lengths))  # document i's EOS follows i earlier EOS
+    flat = np.empty(len(tokens) + len(lengths), dtype=np.int32)
+    is_token = np.ones(len(flat), dtype=bool)
+    is_token[eos_at] = False
+    flat[is_token], flat[eos_at] = tokens, eos_id
+    starts = np.empty(len(lengths) + 1, dtype=np.int64)
+    starts[0], starts[1:] = 0, eos_at + 1
+    return flat, starts
 
 
 def blocks(spec: StreamSpec, shards: list[str], shard: int, doc: int, offset: int,
            damaged: list[int]) -> Iterator[tuple[np.ndarray, tuple[int, int, int]]]:
-    """(chunks [n, raw_length], where the block starts) until the epoch ends; shards stay open between blocks."""
+    """(chunks [n, raw_length], where the block starts) until the epoch ends, from (shard, doc, offset).
+
+    Documents are joined with EOS a pack at a time; a block start is mapped back to (shard, document, offset)
+    with a binary search over the pack's document starts.
+    """
     need = spec.block_chunks * spec.raw_length
     pieces: list[np.ndarray] = []
     total, start = 0, (shard, doc, offset)
-    for si, di, with_eos in documents(spec, shards, shard, doc, damaged):
-        piece = with_eos[offset:] if (si, di) == (shard, doc) else with_eos
-        pieces.append(piece)
-        total += len(piece)
-        while total >= need:
-            flat = np.concatenate(pieces)
-            yield flat[:need].reshape(-1, spec.raw_length), start
-            pieces = [flat[need:]]  # a suffix of the current document: the next block starts inside it
-            total, start = len(pieces[0]), (si, di, len(with_eos) - len(pieces[0]))
+    for si in range(shard, len(shards)):
+        skip_docs = doc if si == shard else 0
+        for first, tokens, lengths in _read_checked(spec, shards[si], skip_docs, damaged):
+            flat, starts = _with_eos(tokens, lengths, spec.eos_id)
+            skip = starts[skip_docs - first] + offset if first <= skip_docs and si == shard else 0
+            pieces.append(flat[skip:])
+            total += len(flat) - skip
+            if total < need:
+                continue
+            carried = total - (len(flat) - skip)  # tokens before this pack's first used token
+            joined = np.concatenate(pieces)
+            cut = 0
+            while len(joined) - cut >= need:
+                yield joined[cut : cut + need].reshape(-1, spec.raw_length), start
+                cut += need
+                at = cut - carried + skip  # where the next block starts, in this pack's coordinates
+                d = int(np.searchsorted(starts, at, side="right")) - 1
+                start = (si, first + d, int(at - starts[d]))
+            pieces, total = [joined[cut:]], len(joined) - cut
+        offset = 0
     n = total // spec.raw_length  # the epoch's last partial chunk is dropped
     if n:
         yield np.concatenate(pieces)[: n * spec.raw_length].reshape(n, spec.raw_length), start
 
 
 def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) -> Iterator[tuple]:
-    """(inputs, targets, position after this example) forever, epoch after epoch."""
+    """(inputs, targets, position after this example) forever, epoch after epoch.
+
+    A block's chunks are permuted and corrupted in one vectorised call; resuming mid-block redoes that call
+    (bounded by the block) and skips the chunks already emitted.
+    """
     epoch, shard, doc, offset, first_block, nxt = (position[k] for k in POSITION_KEYS)
     while True:
         shards = epoch_shards(spec, epoch, stream)
@@ -124,14 +155,11 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
         for block, (chunks, start) in enumerate(blocks(spec, shards, shard, doc, offset, damaged), first_block):
             produced = True
             rng = np.random.default_rng([spec.seed, epoch, spec.dp_rank, stream, block])
-            order = rng.permutation(len(chunks))
-            for _ in range(nxt):  # resuming mid-block: replay the skipped chunks' draws (bounded by the block)
-                noise_span_lengths(spec.raw_length, rng, spec.noise_density, spec.mean_noise_span_length)
+            inputs, targets = span_corrupt(
+                chunks[rng.permutation(len(chunks))], rng, vocab_size=spec.num_ids, eos_id=spec.eos_id,
+                noise_density=spec.noise_density, mean_noise_span_length=spec.mean_noise_span_length)
             for j in range(nxt, len(chunks)):
-                inputs, targets = span_corrupt(
-                    chunks[order[j]], rng, vocab_size=spec.num_ids, eos_id=spec.eos_id,
-                    noise_density=spec.noise_density, mean_noise_span_length=spec.mean_noise_span_length)
-                yield inputs, targets, dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
+                yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
             nxt = 0
         if not produced:
             raise RuntimeError(f"DP rank {spec.dp_rank} worker {stream} has no readable data in {shards}")
