@@ -60,7 +60,9 @@ def _to_class(task: Task, text: str) -> int | float:
 
 
 @torch.no_grad()
-def _generate(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded, max_new: int) -> list:
+def _generate(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> list:
+    # room for the longest label word and its EOS: a longer answer is wrong whatever it says
+    max_new = max(len(ids) for ids in tokenizer.encode_batch(list(task.label_words))) + 1
     ids = generate_greedy(model, batch.input_ids, batch.attention_mask, max_new, eos_id=tokenizer.eos_id, use_cache=True)
     return [_to_class(task, tokenizer.decode(row.tolist())) for row in ids]
 
@@ -87,7 +89,7 @@ def _rank(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> l
 
 
 def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence[Example], method: str,
-            batch_size: int, max_input_length: int, max_target_length: int) -> dict[str, list]:
+            batch_size: int, max_input_length: int) -> dict[str, list]:
     """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1)."""
     if method not in METHODS:
         raise ValueError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
@@ -97,7 +99,7 @@ def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence
     for start in range(0, len(examples), batch_size):
         batch = encode_inputs(tokenizer, [e.inputs for e in examples[start : start + batch_size]], max_input_length)
         if "generate" in out:
-            out["generate"] += _generate(model, tokenizer, task, batch, max_target_length)
+            out["generate"] += _generate(model, tokenizer, task, batch)
         if "rank" in out:
             out["rank"] += _rank(model, tokenizer, task, batch)
     model.train(was_training)
@@ -125,8 +127,7 @@ def _gather(preds: dict[str, list], size: int) -> dict[str, list]:
 
 
 def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str | Path, method: str = "both",
-                  batch_size: int = 32, max_input_length: int = 512, max_target_length: int = 8,
-                  limit: int = 0, submission_dir: Path | None = None) -> dict[str, dict[str, float]]:
+                  batch_size: int = 32, max_input_length: int = 512, limit: int = 0, submission_dir: Path | None = None) -> dict[str, dict[str, float]]:
     """Scores on every validation file of `task` ({split name: metrics}); test predictions go to
     `submission_dir` when given (the first `limit` examples of each file when limit > 0)."""
     results = {}
@@ -137,8 +138,7 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
             examples = task.read(folder, file, labelled)
             examples = examples[:limit] if limit else examples
             mine, _, size = _dp_slice(examples)
-            preds = _gather(predict(model, tokenizer, task, mine, method, batch_size, max_input_length,
-                                    max_target_length), size)
+            preds = _gather(predict(model, tokenizer, task, mine, method, batch_size, max_input_length), size)
             if labelled:
                 scores = {}
                 for m, p in preds.items():
@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default="both", choices=METHODS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-input-length", type=int, default=512)
-    parser.add_argument("--max-target-length", type=int, default=8)
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples of each file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         task, out = get_task(args.task), Path(args.output)
         model, tokenizer = load_pretrained(args.export), Tokenizer(Path(args.export) / "spiece.model")
         results = evaluate_task(model, tokenizer, task, args.data, args.method, args.batch, args.max_input_length,
-                                args.max_target_length, args.limit, out / "submission")
+                                args.limit, out / "submission")
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     write_results(out, results)
