@@ -3,9 +3,9 @@
 Nothing is installed here (CI installs Debian's slurmctld, slurmd, slurm-client and munge). Every daemon
 runs in the foreground as a child of the test process, with its state, spool, logs, pid files, munge
 socket and ports under one temporary folder, so two test sessions on one machine do not collide. The
-node names are added to /etc/hosts (rendezvous resolves the first host of the node list) and removed
-again. Teardown cancels the jobs (running steps outlive slurmd) and stops each daemon by its pid, also
-when a test or the start itself fails. Settings follow ../shared/reference/local-slurm.md.
+node names are added to /etc/hosts if missing (rendezvous resolves the first host of the node list).
+Teardown cancels the jobs (running steps outlive slurmd) and stops each daemon by its pid, also when a test
+or the start itself fails. Settings follow ../shared/reference/local-slurm.md.
 """
 from __future__ import annotations
 
@@ -127,21 +127,12 @@ class SlurmCluster:
         return path.read_text() if path.exists() else ""
 
 
-def _add_hosts() -> str | None:
-    """Make node1/node2 resolve to this host; return the line added (None if already there)."""
-    line = "127.0.0.1 " + " ".join(NODES) + "  # tests/slurm_cluster.py"
+def _add_hosts() -> None:
+    """Make node1/node2 resolve to this host. The line stays: test sessions running at the same time share
+    /etc/hosts, and removing it under another session's jobs would break their rendezvous."""
     text = HOSTS_FILE.read_text()
-    if all(any(n in l.split() for l in text.splitlines()) for n in NODES):
-        return None
-    HOSTS_FILE.write_text(text.rstrip("\n") + "\n" + line + "\n")
-    return line
-
-
-def _remove_hosts(line: str | None) -> None:
-    if line is None:
-        return
-    kept = [l for l in HOSTS_FILE.read_text().splitlines() if l != line]
-    HOSTS_FILE.write_text("\n".join(kept) + "\n")
+    if not all(any(n in line.split() for line in text.splitlines()) for n in NODES):
+        HOSTS_FILE.write_text(text.rstrip("\n") + "\n127.0.0.1 " + " ".join(NODES) + "  # tests/slurm_cluster.py\n")
 
 
 def _start_munge(root: Path) -> list[str]:
@@ -207,7 +198,7 @@ def start_cluster() -> Iterator[SlurmCluster]:
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, ctld_port, node_ports))
     cluster = SlurmCluster(root, {**os.environ, "SLURM_CONF": str(conf)})
-    hosts_line = _add_hosts()
+    _add_hosts()
     logs = open(root / "log" / "daemons.out", "w")
     try:
         def spawn(cmd: list[str], user: str | None = None) -> None:
@@ -230,7 +221,6 @@ def start_cluster() -> Iterator[SlurmCluster]:
     finally:
         _stop(cluster)
         logs.close()
-        _remove_hosts(hosts_line)
         shutil.rmtree(root, ignore_errors=True)
 
 
