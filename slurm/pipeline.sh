@@ -4,19 +4,19 @@
 #
 #   slurm/pipeline.sh --input 'c4/en/c4-train.*.json.gz' --work /scratch/run1 --config configs/base.yaml \
 #       [--nodes N] [--vocab-size 32000] [--stages tokenizer,prepare,pretrain,export,finetune] \
-#       [--finetune-config FILE] [-- section.key=value ...]
+#       [--finetune-tasks cola,sst2,... --finetune-data GLUE_DIR] [-- section.key=value ...]
 #
 # Steps and what they leave in WORK: tokenizer (tokenizer/spiece.model) -> prepare, an array job over the
 # input files plus one job that writes the final index (shards/) -> pretrain (run/) -> export (export/) ->
-# finetune (only with --finetune-config). --stages runs a subset: the outputs of the skipped earlier steps
-# must already be in WORK. Arguments after `--` go to the trainer. Logs go to WORK/logs; for each submitted
-# job one line `STEP JOBID` is printed.
+# finetune (only with --finetune-tasks: an array job, one fine-tuning task each, finetune/TASK/). --stages
+# runs a subset: the outputs of the skipped earlier steps must already be in WORK. Arguments after `--` go to
+# the trainer. Logs go to WORK/logs; for each submitted job one line `STEP JOBID` is printed.
 set -euo pipefail
 source slurm/site.sh
 
 usage() { echo "usage: slurm/pipeline.sh --input GLOB --work DIR --config FILE [--nodes N] [--vocab-size N]" \
-  "[--stages LIST] [--finetune-config FILE] [-- overrides]" >&2; exit 2; }
-input="" work="" config="" nodes=1 vocab=32000 finetune_config=""
+  "[--stages LIST] [--finetune-tasks LIST --finetune-data DIR] [-- overrides]" >&2; exit 2; }
+input="" work="" config="" nodes=1 vocab=32000 finetune_tasks="" finetune_data=""
 stages=tokenizer,prepare,pretrain,export,finetune
 while [ $# -gt 0 ]; do
   case $1 in
@@ -26,7 +26,8 @@ while [ $# -gt 0 ]; do
     --nodes) nodes=$2; shift 2 ;;
     --vocab-size) vocab=$2; shift 2 ;;
     --stages) stages=$2; shift 2 ;;
-    --finetune-config) finetune_config=$2; shift 2 ;;
+    --finetune-tasks) finetune_tasks=$2; shift 2 ;;
+    --finetune-data) finetune_data=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "slurm/pipeline.sh: unknown argument '$1'" >&2; usage ;;
   esac
@@ -41,6 +42,7 @@ want() { [[ ",$stages," == *",$1,"* ]]; }
 [ -n "$work" ] || usage
 if want tokenizer || want prepare; then [ -n "$input" ] || usage; fi
 if want pretrain; then [ -n "$config" ] || usage; fi
+if [ -n "$finetune_tasks" ]; then [ -n "$finetune_data" ] || usage; fi
 work=$(realpath -m "$work")
 mkdir -p "$work/logs"
 tokenizer=$work/tokenizer/spiece.model
@@ -74,6 +76,8 @@ fi
 if want export; then
   submit export slurm/export.sbatch -- --run "$work/run" --output "$work/export"
 fi
-if want finetune && [ -n "$finetune_config" ]; then
-  submit finetune slurm/finetune.sbatch -- --config "$finetune_config"
+if want finetune && [ -n "$finetune_tasks" ]; then
+  IFS=, read -r -a names <<< "$finetune_tasks"
+  submit finetune slurm/finetune.sbatch --array=0-$(( ${#names[@]} - 1 )) --output="$work/logs/%x-%A_%a.out" -- \
+    --tasks "$finetune_tasks" --data "$finetune_data" --init "$work/export" --runs "$work/finetune"
 fi

@@ -51,11 +51,12 @@ def test_prepare_array_matches_single_process(slurm_cluster: SlurmCluster, c4_di
 def test_failed_step_cancels_what_depends_on_it(slurm_cluster: SlurmCluster, c4_dir: Path, tmp_path: Path) -> None:
     # --vocab-size 0 makes tokenizer training exit 2 at once; nothing after it may start
     jobs = _pipeline(slurm_cluster, "--input", f"{c4_dir}/c4-train.*.json.gz", "--work", str(tmp_path),
-                     "--config", "configs/tiny.yaml", "--vocab-size", "0")
-    assert list(jobs) == ["tokenizer", "prepare", "index", "pretrain", "export"]
+                     "--config", "configs/tiny.yaml", "--vocab-size", "0", "--finetune-tasks", "cola,rte",
+                     "--finetune-data", str(tmp_path / "glue"))
+    assert list(jobs) == ["tokenizer", "prepare", "index", "pretrain", "export", "finetune"]
     tokenizer = slurm_cluster.wait(jobs["tokenizer"])[0]
     assert (tokenizer["JobState"], tokenizer["ExitCode"]) == ("FAILED", "2:0")
-    for step in ["prepare", "index", "pretrain", "export"]:
+    for step in ["prepare", "index", "pretrain", "export", "finetune"]:
         for rec in slurm_cluster.wait(jobs[step]):
             assert (rec["JobState"], rec["Reason"]) == ("CANCELLED", "DependencyNeverSatisfied"), (step, rec)
             assert rec["StartTime"] in ("Unknown", rec["EndTime"]), (step, rec)
