@@ -76,16 +76,31 @@ def _load(file: Path) -> dict:
         raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
-def _tp_rank_state(ckpt: Path, files: list[Path], mp: int, num_dp: int) -> dict[str, torch.Tensor]:
-    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files (`num_dp` shards; 0: no ZeRO)."""
-    if not num_dp:  # ZeRO stage 0: the module weights are the weights
-        return {k: v.float() for k, v in _load(next(f for f in files if "model_states" in f.name))["module"].items()}
-    dp_ranks = {int(_DP_RANK.search(f.name).group(1)) for f in files if f.name.endswith("optim_states.pt")}
-    missing = sorted(set(range(num_dp)) - dp_ranks)
-    if missing:
-        raise CheckpointError(f"{ckpt} is partial: the ZeRO optimizer shard of DP rank {missing[0]}, TP rank {mp} is missing")
+def _dp_ranks(files: list[Path]) -> set[int]:
+    return {int(m.group(1)) for f in files if (m := _DP_RANK.search(f.name))}
+
+
+def _check_files(ckpt: Path, files: list[Path], mp: int, dp: int, zero: bool) -> None:
+    """Every file DeepSpeed writes for TP rank `mp` is there: the model states (one per DP rank under ZeRO-3,
+    else one) and, with a ZeRO optimizer, one optimizer shard per DP rank."""
+    model = [f for f in files if f.name.endswith("model_states.pt")]
+    optim = [f for f in files if f.name.endswith("optim_states.pt")]
+    if not model:
+        raise CheckpointError(f"{ckpt} is partial: the model states of TP rank {mp} (mp_rank_{mp:02d}) are missing")
+    # ZeRO-3 writes model states per DP rank too; a ZeRO optimizer (stage >= 1) one shard per DP rank
+    for kind, found, per_dp in (("model states", model, bool(_dp_ranks(model))), ("ZeRO optimizer shard", optim, zero)):
+        if per_dp:
+            missing = sorted(set(range(dp)) - _dp_ranks(found))
+            if missing:
+                raise CheckpointError(f"{ckpt} is partial: the {kind} of DP rank {missing[0]}, TP rank {mp} is missing")
+
+
+def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, torch.Tensor]:
+    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files."""
     for f in files:
         _load(f)  # name a damaged file here rather than deep inside DeepSpeed
+    if not any(f.name.endswith("optim_states.pt") for f in files):  # ZeRO stage 0: the module weights
+        return {k: v.float() for k, v in _load(files[0])["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with tempfile.TemporaryDirectory() as view:
@@ -99,20 +114,15 @@ def _tp_rank_state(ckpt: Path, files: list[Path], mp: int, num_dp: int) -> dict[
     return {k: v.float() for k, v in state.items()}
 
 
-def read_checkpoint(ckpt: Path, model: T5Model) -> dict[str, torch.Tensor]:
-    """The full (TP=1) fp32 state dict of a checkpoint folder, checked against `model`'s parameters."""
-    by_mp: dict[int, list[Path]] = {}
+def read_checkpoint(ckpt: Path, model: T5Model, tp: int, dp: int) -> dict[str, torch.Tensor]:
+    """The full (TP=1) fp32 state dict of a checkpoint saved by TP x DP ranks, checked against `model`."""
+    by_mp: dict[int, list[Path]] = {mp: [] for mp in range(tp)}
     for f in sorted(ckpt.glob("*mp_rank_*_states.pt")):
         by_mp.setdefault(int(_MP_RANK.search(f.name).group(1)), []).append(f)
-    if not by_mp:
-        raise CheckpointError(f"{ckpt} is partial: no DeepSpeed *_model_states.pt files")
-    tp = max(by_mp) + 1
+    zero = any(f.name.endswith("optim_states.pt") for files in by_mp.values() for f in files)
     for mp in range(tp):
-        if not any("model_states" in f.name for f in by_mp.get(mp, [])):
-            raise CheckpointError(f"{ckpt} is partial: the model states of TP rank {mp} (mp_rank_{mp:02d}) are missing")
-    # DP size: the most optimizer shards any TP rank has (every TP rank must have as many)
-    num_dp = max(sum(f.name.endswith("optim_states.pt") for f in fs) for fs in by_mp.values())
-    shards = [_tp_rank_state(ckpt, by_mp[mp], mp, num_dp) for mp in range(tp)]
+        _check_files(ckpt, by_mp[mp], mp, dp, zero)
+    shards = [_tp_rank_state(ckpt, by_mp[mp], mp) for mp in range(tp)]
     full = {}
     for name, param in model.named_parameters():
         missing = [mp for mp in range(tp) if name not in shards[mp]]
@@ -232,9 +242,9 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     spiece = Path(saved["data"]["tokenizer"])
     if not spiece.is_file():
         raise ValueError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
-    model = build_local_model(cfg)
-    load_full_state_dict(model, read_checkpoint(ckpt, model))
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
+    model = build_local_model(cfg)
+    load_full_state_dict(model, read_checkpoint(ckpt, model, trainer["tp"], trainer["dp"]))
     source = {"checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tp": trainer["tp"], "dp": trainer["dp"]}
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
     return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source)

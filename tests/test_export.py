@@ -2,6 +2,7 @@
 vanilla exports against HuggingFace's T5 and tokenizer; mixture weights; damaged checkpoints refused."""
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,13 +43,19 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
     return full if rank == 0 else None
 
 
-def _run(tmp_path, tokenizer_model, tp, world, stage, **model_overrides):
+def _run(tmp_path, tokenizer_model, tp, world, stage, per_head):
     # 1100 ids padded to a multiple of 128 x TP 2
-    model_cfg = dataclasses.replace(TINY.model, vocab_size=1280, **model_overrides)
+    model_cfg = dataclasses.replace(TINY.model, vocab_size=1280, mixture_per_head=per_head)
     cfg = dataclasses.replace(TINY, model=model_cfg, data=dataclasses.replace(TINY.data, tokenizer=tokenizer_model))
     run_dir = tmp_path / "run"
     full = run_distributed(_train_and_save, world, str(run_dir), to_yaml(cfg), model_cfg, tp, stage)[0]
     return run_dir, model_cfg, full
+
+
+@pytest.fixture(scope="module", params=[(2, 2, 1, True), (1, 2, 3, False)], ids=["tp2-zero1", "dp2-zero3"])
+def saved_run(request, tmp_path_factory, tokenizer_model):
+    """(run folder, model config, gathered weights) of a real 2-process run: TP 2 / ZeRO 1 or DP 2 / ZeRO 3."""
+    return _run(tmp_path_factory.mktemp("run"), tokenizer_model, *request.param)
 
 
 def _logits(model, seed=0):
@@ -58,9 +65,9 @@ def _logits(model, seed=0):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
 
 
-@pytest.mark.parametrize("tp, world, stage, per_head", [(2, 2, 1, True), (1, 2, 3, False)])
-def test_export_round_trip_bit_exact(tmp_path, tokenizer_model, tp, world, stage, per_head):
-    run_dir, model_cfg, full = _run(tmp_path, tokenizer_model, tp, world, stage, mixture_per_head=per_head)
+def test_export_round_trip_bit_exact(tmp_path, saved_run):
+    run_dir, model_cfg, full = saved_run
+    tp = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["tp"]
     out = export(run_dir, tmp_path / "export")
     model = load_pretrained(out)
     loaded = full_state_dict(model)
@@ -79,10 +86,13 @@ def test_export_round_trip_bit_exact(tmp_path, tokenizer_model, tp, world, stage
     assert config["synthesizer"]["source"]["tp"] == tp and config["synthesizer"]["model"] == dataclasses.asdict(model_cfg)
 
 
-def test_damaged_or_partial_checkpoints_are_refused(tmp_path, tokenizer_model):
-    run_dir, _, _ = _run(tmp_path, tokenizer_model, tp=2, world=2, stage=1)
+def test_damaged_or_partial_checkpoints_are_refused(tmp_path, saved_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run[0], run_dir)
     ckpt = run_dir / "checkpoints" / "step_1"
     out = tmp_path / "export"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    last = f"DP rank {state['dp'] - 1}, TP rank {state['tp'] - 1}"
 
     def refused(match):
         with pytest.raises(CheckpointError, match=match):
@@ -91,15 +101,16 @@ def test_damaged_or_partial_checkpoints_are_refused(tmp_path, tokenizer_model):
 
     with pytest.raises(CheckpointError, match=r"step_7 not found; available: step_1"):
         export(run_dir, out, step=7)
-    optim = sorted(ckpt.glob("*mp_rank_01_optim_states.pt"))[0]
+    optim = sorted(ckpt.glob("*optim_states.pt"))[-1]  # the last rank's shard
     saved = optim.read_bytes()
     optim.write_bytes(saved[: len(saved) // 2])  # a save cut short
     refused(rf"{optim.name} is damaged")
     optim.unlink()
-    refused(r"is partial: the ZeRO optimizer shard of DP rank 0, TP rank 1 is missing")
+    refused(rf"is partial: the ZeRO optimizer shard of {last} is missing")
     optim.write_bytes(saved)
-    (ckpt / "mp_rank_01_model_states.pt").unlink()
-    refused(r"the model states of TP rank 1 \(mp_rank_01\) are missing")
+    for f in ckpt.glob("*model_states.pt"):
+        f.unlink()
+    refused(rf"is partial: the model states of TP rank 0 \(mp_rank_00\) are missing")
     (ckpt / "trainer_state.json").unlink()
     refused(r"is partial: trainer_state.json is missing")
 
