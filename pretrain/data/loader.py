@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 from typing import Iterator
 
 from torch.utils.data import DataLoader
@@ -60,6 +61,13 @@ def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | N
     return tuple(counts[n] for n in names) if all(n in counts for n in names) else None
 
 
+def _ignore_preemption_signals(worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGUSR1 to the trainer: SLURM signals every process of a step, and a worker that
+    died of it would kill the trainer before it could checkpoint. Workers still exit when the trainer does."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class TrainLoader:
     """Iterable of batches with `state_dict()` / `load_state_dict()`; iterating again continues, it never rewinds."""
 
@@ -72,7 +80,8 @@ class TrainLoader:
     def __iter__(self) -> Iterator[dict]:
         streams = TrainStreams(self.spec, copy.deepcopy(self.positions), self.batches % self.spec.num_streams)
         loader = DataLoader(streams, batch_size=None, num_workers=self.workers,
-                            persistent_workers=False, prefetch_factor=4 if self.workers else None)
+                            persistent_workers=False, prefetch_factor=4 if self.workers else None,
+                            worker_init_fn=_ignore_preemption_signals)
         damaged = [0] * self.spec.num_streams
         for batch in loader:
             stream = batch.pop("_stream")
