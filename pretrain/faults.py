@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import types
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from pretrain.config import ConfigError
+from pretrain.parallel import destroy_distributed
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +77,21 @@ class SkipBudget:
                 f"step {step}: NaN/inf loss; {self.skipped} steps skipped, more than "
                 f"train.max_skipped_steps ({self.limit}); stopping, the last good checkpoint stays"
             )
+
+
+def run_with_exit_codes(job: Callable[[], int], prog: str, usage_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run a job's body and map its documented failures to exit codes; process groups are always torn down.
+
+    ValueError/ConfigError (and `usage_errors`) -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED;
+    anything else propagates (a traceback; Python exits 1 = EXIT_FAILED).
+    """
+    try:
+        return job()
+    except (ValueError, ConfigError, *usage_errors) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Diverged as e:
+        log.error("%s", e)
+        return EXIT_DIVERGED
+    finally:
+        destroy_distributed()

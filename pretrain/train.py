@@ -18,17 +18,16 @@ from deepspeed.runtime.utils import get_global_norm_of_tensors
 from megatron.core import parallel_state
 
 from pretrain.checkpoint import CheckpointManager, TrainerState, find_resume, prepare_resume
-from pretrain.config import Config, ConfigError, parse_args, save_config, to_yaml
+from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_engine, num_accumulation_steps
-from pretrain.faults import (EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, Diverged, PreemptionFlag,
-                             SkipBudget, any_rank_true)
+from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, SkipBudget, any_rank_true, run_with_exit_codes
 from pretrain.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax
 from pretrain.model.flops import flops_per_sequence
 from pretrain.schedule import lr_factor
-from pretrain.parallel import ParallelDims, check_parallel, destroy_distributed, init_distributed
+from pretrain.parallel import ParallelDims, check_parallel, init_distributed
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.train")
@@ -242,16 +241,7 @@ def evaluate(engine, cfg: Config, dims: ParallelDims) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(Config, argv, prog="pretrain.train")
-    try:
-        return train(cfg)
-    except (ValueError, ConfigError) as e:
-        print(f"pretrain.train: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except Diverged as e:
-        log.error("%s", e)
-        return EXIT_DIVERGED
-    finally:
-        destroy_distributed()
+    return run_with_exit_codes(lambda: train(cfg), "pretrain.train")
 
 
 if __name__ == "__main__":
