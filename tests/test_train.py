@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pretrain.config import Config, load_config
-from pretrain.faults import EXIT_DIVERGED, EXIT_PREEMPTED
+from pretrain.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
 from tests.distributed import run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
 
@@ -263,3 +263,26 @@ def test_nan_loss_is_skipped_then_stops_the_run(zero_runs):
     assert records[2]["lr"] == pytest.approx(3e-3 * 3 / 10)  # the skipped step did not advance the schedule
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+
+_DIE_AFTER_TWO_STEPS = """
+import os, signal, sys
+from pretrain import train
+original, count = train.train_step, [0]
+def train_step(*args, **kwargs):
+    result = original(*args, **kwargs)
+    count[0] += 1
+    if count[0] == 2 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)  # a node lost mid-run
+    return result
+train.train_step = train_step
+sys.exit(train.main())
+"""
+
+
+def test_a_dead_rank_makes_the_others_fail_instead_of_hanging(shards, tmp_path):
+    # the survivor blocks in the next step's collective; the process-group timeout (or gloo's closed
+    # connection, whichever comes first) turns that into an error and exit code 1, never a hang
+    argv = ["--config", TINY, f"run.dir={tmp_path}", *COMMON, *data_overrides(shards), "parallel.timeout_s=30"]
+    assert launch_like_srun(2, _DIE_AFTER_TWO_STEPS, argv) == [EXIT_FAILED, -signal.SIGKILL]
+    assert not (tmp_path / "checkpoints" / "latest").exists()
