@@ -3,7 +3,8 @@
 Prints, all measured in this one run (absolute numbers vary between machines; ratios are the figures):
 - the machine's fp32 matmul rate (2048^3 GEMM, all threads);
 - forward + backward time of one self-attention layer for each mixer, as a ratio to our vanilla layer
-  (batch x 512 x 512, 6 heads of 64, padding mask and relative bias as in the model);
+  (batch x 512 x 512, 6 heads of 64, relative bias as in the model), for an unpadded batch (pretraining
+  after span corruption) and for a batch with one padded example;
 - a full train step (forward, backward, AdamW) of our vanilla model against HuggingFace's
   `T5ForConditionalGeneration` with the same weights, config and batch (inputs 512, targets 114), steps
   interleaved so load changes hit both alike; and our step's model GFLOP/s (pretrain.model.flops) as a
@@ -43,18 +44,26 @@ def matmul_gflops(reps: int) -> float:
     return 2 * 2048**3 / best / 1e9
 
 
-def attention_times(batch: int, reps: int) -> dict[str, float]:
+def attention_times(batch: int, reps: int, padded: bool) -> dict[str, float]:
+    """Median fwd+bwd seconds per mixer; the layer gets what the stack passes it: the learned relative bias,
+    plus (`padded`) a per-example padding mask added once per stack, making the bias [batch, heads, n, n]."""
     init_single_process()
     mp_config = ModelParallelConfig(use_cpu_initialization=True)
     n = SMALL.max_length
     x = torch.randn(batch, n, SMALL.d_model, requires_grad=True)
-    bias = RelativePositionBias(SMALL, True, 0, 1)(n, n).detach()  # [1, heads, n, n]
+    relative_bias = RelativePositionBias(SMALL, True, 0, 1)
     mask = torch.zeros(batch, 1, 1, n)
+    mask[0, ..., n - 8 :] = torch.finfo(torch.float32).min
     layers = {name: SelfAttention(SMALL, parse_mixers(name), mp_config, 0, 1) for name in MIXERS}
+
+    def step(layer: SelfAttention) -> None:
+        bias = relative_bias(n, n)  # [1, heads, n, n]
+        layer(x, bias + mask if padded else bias, None).sum().backward()
+
     times: dict[str, list[float]] = {name: [] for name in MIXERS}
     for rep in range(reps + 1):  # round-robin, first round is warm-up
         for name, layer in layers.items():
-            t = _seconds(lambda: layer(x, bias, mask).sum().backward())
+            t = _seconds(lambda: step(layer))
             if rep:
                 times[name].append(t)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -101,11 +110,14 @@ def main() -> None:
     rate = matmul_gflops(5)
     print(f"matmul 2048^3: {rate:.1f} GFLOP/s")
 
-    attn = attention_times(args.batch, args.reps)
-    print(f"\nself-attention layer fwd+bwd, batch {args.batch} x 512, T5-small width")
-    print(f"{'mixer':<20}{'ms':>10}{'x vanilla':>12}")
+    attn = attention_times(args.batch, args.reps, padded=False)
+    padded = attention_times(args.batch, args.reps, padded=True)
+    print(f"\nself-attention layer fwd+bwd, batch {args.batch} x 512, T5-small width; unpadded batch "
+          f"(pretraining) and with one padded example")
+    print(f"{'mixer':<20}{'ms':>10}{'x vanilla':>12}{'padded ms':>12}{'x vanilla':>12}")
     for name, t in attn.items():
-        print(f"{name:<20}{t * 1e3:>10.1f}{t / attn['vanilla']:>12.2f}")
+        print(f"{name:<20}{t * 1e3:>10.1f}{t / attn['vanilla']:>12.2f}"
+              f"{padded[name] * 1e3:>12.1f}{padded[name] / padded['vanilla']:>12.2f}")
 
     ours, hf = train_step_times(args.batch, args.reps)
     flops = flops_per_sequence(SMALL, 512, 114) * args.batch

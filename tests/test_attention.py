@@ -51,7 +51,7 @@ def _reference(attn: SelfAttention, mixers, x, bias, mask) -> torch.Tensor:
     for h in range(CFG.num_heads):
         a = alpha[h] if alpha.dim() == 2 else alpha
         logits = sum(a[i] * _reference_logits(attn, name, x, h, n) for i, name in enumerate(mixers))
-        probs = torch.softmax(logits + bias[0, h] + mask[:, 0], dim=-1)  # [b, n, n]
+        probs = torch.softmax(logits + bias[0, h] + (0 if mask is None else mask[:, 0]), dim=-1)  # [b, n, n]
         heads.append(probs @ (x @ w_v[h].T))
     return torch.cat(heads, dim=-1) @ attn.o.weight.T
 
@@ -79,7 +79,8 @@ def test_mixer_matches_paper_formula(spec, per_head):
     pad = torch.zeros(b, 1, 1, n)
     pad[1, ..., 8:] = NEG
     causal = torch.full((n, n), NEG).triu(1)[None, None]
-    for mask in (pad, torch.minimum(causal, pad)):  # encoder padding; decoder causal + padding
+    # no mask (unpadded batch: logits shared by the batch); encoder padding; decoder causal (+ padding)
+    for mask in (None, pad, causal, torch.minimum(causal, pad)):
         out = attn(x, bias, mask)
         ref = _reference(attn, mixers, x, bias, mask)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -149,3 +149,25 @@ def test_flops_match_a_count_of_the_vanilla_matmuls():
     synth = dataclasses.replace(cfg, encoder_attention="random", decoder_attention="random")
     assert flops_per_sequence(synth, n, m) == 3 * forward - 3 * 8 * (4 * n * d * inner + 2 * n * n * inner) \
         - 3 * 8 * (4 * m * d * inner + 2 * m * m * inner)
+
+
+def test_loss_matches_log_softmax_and_keeps_gradients_normal():
+    from pretrain.model.loss import vocab_parallel_cross_entropy
+
+    init_single_process()
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 4096) * 30).requires_grad_()  # T5 v1.1 init scale: many subnormal probs
+    labels = torch.randint(0, 4096, (3, 5))
+    labels[0, 0] = logits[0, 0].argmin()  # a label ~200 below the maximum keeps its full loss
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none")
+    before = logits.detach().clone()
+    loss = vocab_parallel_cross_entropy(logits, labels)  # [3, 5]
+    torch.testing.assert_close(loss.double(), ref.view(3, 5), rtol=1e-6, atol=0)
+    assert torch.equal(logits.detach(), before)  # the input logits are not overwritten
+    (loss.sum() / 15).backward()
+    (ref.sum() / 15).backward()
+    grad, ref_grad = logits.grad, ref_logits.grad.float()
+    assert (ref_grad.abs() < torch.finfo(torch.float32).tiny).logical_and(ref_grad != 0).any()  # reference has some
+    assert not (grad.abs() < torch.finfo(torch.float32).tiny).logical_and(grad != 0).any()  # ours: none
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-20)  # floor: < 2e-22 x 1/15

@@ -145,7 +145,8 @@ class SelfAttention(nn.Module):
         additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, m]
         training_dropout = self.dropout if self.training else 0.0
         with _fork_tp_rng(training_dropout > 0):
-            if self.mixers == ("vanilla",):
+            # a bias that needs a gradient sends SDPA to its unfused path, which also scales Q and K by 1.0
+            if self.mixers == ("vanilla",) and not additive.requires_grad:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=training_dropout, scale=1.0)
             else:
                 out = self._mixed(x, q, k, v, additive, start, m, training_dropout)
@@ -161,8 +162,14 @@ class SelfAttention(nn.Module):
             logits = s if logits is None else logits + s
         # softmax in at least fp32 (bf16 logits lose the small differences that decide the weights)
         wide = torch.promote_types(v.dtype, torch.float32)
-        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)  # [b, heads/tp, n, m]
-        probs = F.dropout(probs, p, training=p > 0)
+        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)  # [b|1, heads/tp, n, m]
+        b, h, _, d_kv = v.shape
+        if probs.shape[0] == 1 and b > 1 and p == 0:
+            # input-independent logits and no padding: one softmax (and its backward) for the whole batch,
+            # and the batch folded into the GEMM's columns instead of b copies of probs
+            out = probs[0] @ v.permute(1, 2, 0, 3).reshape(h, m, b * d_kv)  # [heads/tp, n, b * d_kv]
+            return out.view(h, -1, b, d_kv).permute(2, 0, 1, 3)  # [b, heads/tp, n, d_kv]
+        probs = F.dropout(probs.expand(b, -1, -1, -1), p, training=p > 0)  # dropout: per example
         return probs @ v  # [b, heads/tp, n, d_kv]
 
     def _alpha(self) -> torch.Tensor:

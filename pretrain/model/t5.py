@@ -19,6 +19,7 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, parse_mixers
+from pretrain.model.loss import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -109,19 +110,26 @@ class Stack(nn.Module):
         start = caches[0].get("len", 0) if caches else 0
         n = h.shape[1]
         bias = self.relative_bias(n, start + n, start)  # [1, heads/tp, n, start + n]
+        # bias + mask once per stack, shared by the layers (as HF's position_bias): one pass over
+        # [b, heads/tp, n, m] and one gradient sum into the bias instead of one per layer; without a mask
+        # (unpadded encoder batches) it stays [1, heads/tp, n, m] and input-independent mixers use that
+        additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, start + n]
         p = self.dropout if self.training else 0.0
         h = F.dropout(h, p)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training:
                 # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
-                h = tensor_parallel.checkpoint(layer, False, h, bias, mask, memory, memory_mask)
+                h = tensor_parallel.checkpoint(layer, False, h, additive, None, memory, memory_mask)
             else:
-                h = layer(h, bias, mask, memory, memory_mask, caches[i] if caches else None)
+                h = layer(h, additive, None, memory, memory_mask, caches[i] if caches else None)
         return F.dropout(self.final_norm(h), p)
 
 
-def padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[b, m] of 1 (keep) / 0 (pad) -> additive [b, 1, 1, m]."""
+def padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """[b, m] of 1 (keep) / 0 (pad) -> additive [b, 1, 1, m]; None when nothing is padded (pretraining batches
+    after span corruption), which keeps attention logits shared across the batch where the mixer allows."""
+    if bool(mask.all()):
+        return None
     additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=dtype, device=mask.device)
     return additive.masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
 
@@ -131,7 +139,7 @@ def causal_mask(n: int, start: int, pad: torch.Tensor | None, dtype: torch.dtype
     keys = torch.arange(start + n, device=device)
     allowed = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]  # [n, start + n]
     allowed = allowed[None, None]
-    if pad is not None:
+    if pad is not None and not bool(pad.all()):
         allowed = allowed & (pad[:, None, None, :] != 0)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
@@ -177,10 +185,7 @@ class T5Model(nn.Module):
         if labels is None:
             return T5Output(None, logits, None)
         valid = labels != IGNORE_INDEX
-        # megatron's CE overwrites its input with the softmax: give it a copy (>= fp32), keep the logits
-        losses = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True), labels.masked_fill(~valid, 0)
-        )  # [b, m]
+        losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~valid, 0))  # [b, m], logits kept
         num_tokens = valid.sum()
         loss = (losses * valid).sum() / num_tokens.clamp(min=1)
         return T5Output(loss, logits, num_tokens)
