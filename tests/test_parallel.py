@@ -1,4 +1,5 @@
-"""Process-group setup: validation messages, TP x DP layout with 4 real gloo processes, RNG streams, mpu."""
+"""Process-group setup: validation messages; the TP x DP layout, RNG streams and mpu checks that the 4-process
+TP=2 x DP=2 run of tests/test_tensor_parallel.py applies (one spawn for both)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,6 @@ import torch
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.parallel import check_parallel, padded_vocab_size
-from tests.distributed import run_distributed
 
 
 def test_padded_vocab_size():
@@ -34,20 +34,21 @@ def test_check_parallel_names_both_values(changes, tp, world, needle):
     check_parallel(ModelConfig(vocab_size=32256, num_heads=8), 2, 4)
 
 
-def _layout(rank: int, world: int) -> dict:
+def layout_report(dims, seed: int) -> dict:
+    """Called in each of 4 processes right after `init_distributed(tensor=2, seed=seed)` returned `dims`
+    (by tests/test_tensor_parallel.py, whose TP=2 x DP=2 run this shares: one spawn of 4 processes)."""
     import torch.distributed as dist
 
     from megatron.core import parallel_state, tensor_parallel
 
-    from pretrain.parallel import deepspeed_mpu, init_distributed
+    from pretrain.parallel import deepspeed_mpu
 
-    dims = init_distributed(ParallelConfig(tensor=2, timeout_s=60), seed=7)
     mpu = deepspeed_mpu()
     default_draw = torch.rand(3)
     with tensor_parallel.get_cuda_rng_tracker().fork():
         tp_draw = torch.rand(3)
     after_fork = torch.rand(3)
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     torch.rand(3)
     return {
         "dims": (dims.world, dims.rank, dims.tp, dims.dp, dims.tp_rank, dims.dp_rank, str(dims.device)),
@@ -57,13 +58,13 @@ def _layout(rank: int, world: int) -> dict:
                 mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
         "default": default_draw,
         "tp": tp_draw,
-        # forking must not consume the default stream: the draw after equals the 2nd draw of seed 7
+        # forking must not consume the default stream: the draw after equals the 2nd draw of the seed
         "after_fork_ok": torch.equal(after_fork, torch.rand(3)),
     }
 
 
-def test_tp2_dp2_layout_and_rng_streams():
-    out = run_distributed(_layout, 4)
+def assert_tp2_dp2_layout(out: list[dict]) -> None:
+    """The 4 ranks' `layout_report`s: TP groups of consecutive ranks, DP across them, RNG streams."""
     assert [o["dims"] for o in out] == [
         (4, 0, 2, 2, 0, 0, "cpu"), (4, 1, 2, 2, 1, 0, "cpu"), (4, 2, 2, 2, 0, 1, "cpu"), (4, 3, 2, 2, 1, 1, "cpu")
     ]

@@ -1,7 +1,7 @@
 """Tensor parallelism with real gloo process groups: for every mixer, the loss and every gradient (gathered
 to full shape) at TP=2 (and TP=2 x DP=2) equal the unsharded TP=1 model from the same seed (in float64, within 1e-5 relative); greedy
 decoding at TP=2 equals TP=1; TP shards merged by DeepSpeed's universal-checkpoint rules rebuild the
-full parameters."""
+full parameters. The 4-process run also checks the TP x DP layout and RNG streams (tests/test_parallel.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +13,7 @@ from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.model import build_local_model, build_model, full_state_dict, generate_greedy
 from pretrain.model import universal_checkpoint_info
 from tests.distributed import run_distributed
+from tests.test_parallel import assert_tp2_dp2_layout, layout_report
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
@@ -53,10 +54,11 @@ def _step(model, seed: int):
     return out.loss.item(), full_state_dict(model, grads=True)
 
 
-def _tp_worker(rank: int, world: int, variants) -> list:
+def _tp_worker(rank: int, world: int, variants) -> tuple[dict | None, list]:
     from pretrain.parallel import init_distributed
 
     dims = init_distributed(ParallelConfig(tensor=2, timeout_s=120), seed=0)
+    layout = layout_report(dims, seed=0) if world == 4 else None
     results = []
     for enc, dec, per_head, ckpt in variants:
         torch.manual_seed(0)
@@ -67,7 +69,7 @@ def _tp_worker(rank: int, world: int, variants) -> list:
         tokens = generate_greedy(model, ids, mask, max_new_tokens=6)
         shards = {n: p.detach().clone() for n, p in model.named_parameters()}
         results.append((loss, grads, tokens, shards, universal_checkpoint_info(model, 250)))
-    return results
+    return layout, results
 
 
 def _reference(enc: str, dec: str, per_head: bool, seed: int):
@@ -108,7 +110,7 @@ def _merge_like_deepspeed(shards: list[dict], info: dict, name: str) -> torch.Te
 
 
 def test_tp2_equals_tp1_for_every_mixer():
-    out = run_distributed(_tp_worker, 2, VARIANTS)
+    out = [results for _, results in run_distributed(_tp_worker, 2, VARIANTS)]
     for i, (enc, dec, per_head, _) in enumerate(VARIANTS):
         ref = _reference(enc, dec, per_head, seed=0)
         for rank in range(2):
@@ -120,9 +122,10 @@ def test_tp2_equals_tp1_for_every_mixer():
             assert torch.equal(_merge_like_deepspeed(shards, info, name), expected), name
 
 
-def test_tp2_dp2_equals_tp1_per_data_shard():
+def test_tp2_dp2_layout_and_equality_to_tp1_per_data_shard():
     variant = ("random+vanilla", "dense+vanilla", False, False)
-    out = run_distributed(_tp_worker, 4, [variant])
+    layouts, out = zip(*run_distributed(_tp_worker, 4, [variant]))
+    assert_tp2_dp2_layout(list(layouts))
     for rank, dp_rank in zip(range(4), (0, 0, 1, 1)):  # ranks [0, 1] are DP rank 0, [2, 3] DP rank 1
         _assert_equal_to_reference(out[rank][0], _reference(*variant[:3], seed=dp_rank))
     assert out[0][0][0] != out[2][0][0]  # the DP ranks did see different data
