@@ -1,0 +1,121 @@
+"""Fine-tuning: the export's weights and mixture weights at the start of a TP 2 job, the data stream, and the
+whole chain on real text (pretraining with 2 processes -> export -> fine-tuning at TP 2 on the real polarity
+set) scoring above chance, with results.json, the Markdown table, TensorBoard and the submission file."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import Config, load_config
+from pretrain.export import load_pretrained, read_export, write_export
+from pretrain.finetune import ExampleStream, collate
+from pretrain.model import IGNORE_INDEX, build_local_model
+from tests.distributed import run_distributed
+
+TINY = load_config(Config, "configs/tiny.yaml")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _start_at_tp2(rank, world, export_dir):
+    from megatron.core import parallel_state
+
+    from pretrain.config import ParallelConfig
+    from pretrain.finetune import build_from_export, fit_vocab
+    from pretrain.parallel import init_distributed
+
+    init_distributed(ParallelConfig(tensor=2), seed=0)
+    cfg, state = read_export(export_dir)
+    cfg, state = fit_vocab(cfg, state, num_ids=1100, tp=2)
+    model = build_from_export(cfg, state, freeze_mixture=True).eval()
+    ids = torch.arange(2, 22).view(2, 10)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
+    frozen = [p.requires_grad for n, p in model.named_parameters() if n.endswith(".attn.mix")]
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    return cfg.vocab_size, model.mixture_weights(), logits, frozen
+
+
+def test_finetuning_starts_from_the_export_at_tp2(tmp_path, tokenizer_model):
+    cfg = dataclasses.replace(TINY.model, mixture_per_head=True)
+    torch.manual_seed(0)
+    model = build_local_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".attn.mix"):
+                p.copy_(torch.randn_like(p))  # learned-looking mixture weights, not the uniform init
+    out = write_export(model, Path(tokenizer_model), tmp_path / "export")
+    reference = load_pretrained(out)
+    ids = torch.arange(2, 22).view(2, 10)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
+    results = run_distributed(_start_at_tp2, 2, str(out))
+    vocab, weights, _, frozen = results[0]
+    assert vocab == 1280  # 1152 rows do not split into 128 x TP 2: re-padded
+    for layer, w in reference.mixture_weights().items():
+        assert torch.equal(weights[layer], w)
+    assert frozen == [False] * 4
+    logits = torch.cat([r[2] for r in results], dim=-1)  # vocab-parallel shards in rank order
+    assert ((logits[..., :1152] - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    # added rows copy the pad row: never above it, so they never win the argmax over the real ids
+    assert torch.equal(logits[..., 1152:], logits[..., :1].expand(-1, -1, 128))
+
+
+def test_stream_splits_by_dp_rank_and_resumes():
+    rows = [([i + 2, 1], [i + 2, 1]) for i in range(10)]
+    firsts = [next(iter(ExampleStream(rows, micro=2, dp_rank=r, dp=2, seed=5)))["input_ids"][:, 0] for r in range(2)]
+    assert not set(firsts[0].tolist()) & set(firsts[1].tolist())  # the two DP ranks see different examples
+    a = ExampleStream(rows, micro=2, dp_rank=0, dp=2, seed=5)
+    it = iter(a)
+    seen = [next(it)["input_ids"][:, 0].tolist() for _ in range(3)]  # crosses an epoch (2 slices of 4 per epoch)
+    b = ExampleStream(rows, micro=2, dp_rank=0, dp=2, seed=5)
+    b.load_state_dict({"epoch": 0, "position": 1})
+    assert [next(iter(b))["input_ids"][:, 0].tolist()] == seen[1:2]
+    batch = collate([([5, 6, 1], [7, 1]), ([8, 1], [9, 10, 1])])
+    assert batch["labels"].tolist() == [[7, 1, IGNORE_INDEX], [9, 10, 1]]
+    assert batch["decoder_input_ids"].tolist() == [[0, 7, 1], [0, 9, 10]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+@pytest.fixture(scope="module")
+def polarity_dir(tmp_path_factory):
+    from pretrain.tasks.polarity import fetch_polarity
+
+    return fetch_polarity(tmp_path_factory.mktemp("polarity") / "SST-2")
+
+
+def _python(*args, processes=1):
+    """`python -m ...`, or `torchrun --nproc-per-node N -m ...`; its stdout, or its error output as the failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(processes)] if processes > 1 else []
+    done = subprocess.run([sys.executable, *launch, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_finetuning_on_real_polarity_data_beats_chance(tmp_path, shards, polarity_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # a short pretraining of the tiny Random+Vanilla Synthesizer, data parallel over 2 processes
+    _python("pretrain.train", "--config", "configs/tiny.yaml", f"run.dir={tmp_path / 'pretrain'}",
+            f"data.train={shards.train}", f"data.valid={shards.valid}", f"data.tokenizer={shards.tokenizer}",
+            "train.steps=300", "checkpoint.every=0", "eval.every=0", "log.every=100", processes=2)
+    export_dir = tmp_path / "export"
+    _python("pretrain.export", "--run", str(tmp_path / "pretrain"), "--output", str(export_dir))
+    run = tmp_path / "finetune"
+    stdout = _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export_dir}",
+                     f"data.dir={polarity_dir}", f"run.dir={run}", "parallel.tensor=2", processes=2)
+    results = json.loads((run / "results.json").read_text())
+    # 500 dev sentences, 52% positive: a coin scores >= 0.55 with probability 0.013, the majority class 0.518
+    assert results["sst2"]["accuracy_rank"] >= 0.55, results
+    assert results["sst2"]["accuracy"] >= 0.55, results
+    assert "| sst2 |" in stdout and (run / "results.md").read_text().startswith("| task |")
+    lines = (run / "submission" / "SST-2.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 501 and {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"}
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert events.Scalars("eval/sst2/accuracy_rank")[-1].value == pytest.approx(results["sst2"]["accuracy_rank"])
+    assert len(events.Scalars("loss")) >= 1
