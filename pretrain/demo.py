@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# lines of the children worth showing as progress: our loggers' INFO lines and the scores table
-_SHOWN = ("INFO pretrain.", "INFO tokenizer.", "| ")
+# lines of the children worth showing as progress: our loggers' INFO lines (the table is printed at the end)
+_SHOWN = ("INFO pretrain.", "INFO tokenizer.")
 
 
 def _run(title: str, cmd: list[str], done: Path, log_file: Path, start: float) -> None:
@@ -39,8 +39,8 @@ def _run(title: str, cmd: list[str], done: Path, log_file: Path, start: float) -
                                                      stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             log.write(line)
-            if any(key in line for key in _SHOWN) and "WARNING" not in line:
-                print("         " + line.split(": ", 1)[-1].rstrip() if "INFO" in line else line.rstrip(), flush=True)
+            if any(key in line for key in _SHOWN):
+                print("         " + line.split(": ", 1)[-1].rstrip(), flush=True)
     if proc.returncode != 0:
         print(f"demo: stage '{title}' failed (exit {proc.returncode}); its output is in {log_file}", file=sys.stderr)
         raise SystemExit(proc.returncode)
