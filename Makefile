@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench
 
 setup: $(STAMP)
 
@@ -20,3 +20,5 @@ demo: setup
 bench: setup
 	$(PY) -m bench.model
 	OMP_NUM_THREADS=1 $(PY) -m bench.data
+	OMP_NUM_THREADS=1 $(PY) -m bench.zero_memory --dp 2 4
+	$(PY) -m bench.throughput

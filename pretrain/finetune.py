@@ -24,15 +24,15 @@ import torch
 import yaml
 
 from pretrain.checkpoint import CheckpointManager, TrainerState, find_resume, prepare_resume
-from pretrain.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
+from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig,
                              TrainConfig, ZeroConfig, parse_args, save_config, to_yaml)
 from pretrain.engine import build_engine, num_accumulation_steps
 from pretrain.evaluate import METHODS, evaluate_task, write_results
 from pretrain.export import read_export
-from pretrain.faults import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, Diverged, SkipBudget
+from pretrain.faults import EXIT_OK, SkipBudget, run_with_exit_codes
 from pretrain.metrics import MetricsLogger
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info
-from pretrain.parallel import VOCAB_MULTIPLE, destroy_distributed, init_distributed, padded_vocab_size
+from pretrain.parallel import VOCAB_MULTIPLE, init_distributed, padded_vocab_size
 from pretrain.tasks import Example, TaskFileError, get_task
 from pretrain.train import init_logging, mixture_metrics, train_step
 from tokenizer.spm import Tokenizer
@@ -253,17 +253,7 @@ def finetune(cfg: FinetuneConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(FinetuneConfig, argv, prog="pretrain.finetune")
-    try:
-        return finetune(cfg)
-    except (ValueError, ConfigError, TaskFileError) as e:
-        print(f"pretrain.finetune: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except Diverged as e:
-        log.error("%s", e)
-        return EXIT_DIVERGED
-    finally:
-        destroy_distributed()
-
+    return run_with_exit_codes(lambda: finetune(cfg), "pretrain.finetune", usage_errors=(TaskFileError,))
 
 if __name__ == "__main__":
     sys.exit(main())

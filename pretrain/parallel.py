@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -125,10 +124,8 @@ def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
 def init_single_process(seed: int = 0) -> None:
     """A 1-process gloo group + parallel_state (TP 1) for launcher-free use; no-op if already set up."""
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
+        # a private address, not MASTER_ADDR/MASTER_PORT: jobs this process starts must not inherit them
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         state = torch.get_rng_state()  # leave the caller's global stream (and its manual_seed) untouched

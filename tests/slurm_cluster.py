@@ -82,8 +82,11 @@ MpiDefault=none
 MailProg=/bin/true
 NodeName=node[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_ports[0]}-{node_ports[1]}] \
 CPUs={CPUS_PER_NODE} State=UNKNOWN
-PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE DefaultTime=15 State=UP
 """
+
+
+LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 @dataclass
@@ -197,7 +200,9 @@ def start_cluster() -> Iterator[SlurmCluster]:
     ctld_port, *node_ports = _free_ports(3)
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, ctld_port, node_ports))
-    cluster = SlurmCluster(root, {**os.environ, "SLURM_CONF": str(conf)})
+    # jobs must not inherit this process's launcher variables (a test may hold a process group of its own)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
     _add_hosts()
     logs = open(root / "log" / "daemons.out", "w")
     try:

@@ -110,7 +110,7 @@ def test_damaged_or_partial_checkpoints_are_refused(tmp_path, saved_run):
     optim.write_bytes(saved)
     for f in ckpt.glob("*model_states.pt"):
         f.unlink()
-    refused(rf"is partial: the model states of TP rank 0 \(mp_rank_00\) are missing")
+    refused(r"is partial: the model states of TP rank 0 \(mp_rank_00\) are missing")
     (ckpt / "trainer_state.json").unlink()
     refused(r"is partial: trainer_state.json is missing")
 

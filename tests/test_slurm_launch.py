@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from launch.env import slurm_port
-from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401 (the fixture)
+from tests.slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
 PY = str(REPO / ".venv" / "bin" / "python")

@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tests.conftest import PreparedData
-from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401 (the fixture)
+from tests.slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ import pytest
 
 from pretrain.faults import EXIT_PREEMPTED
 from tests.conftest import PreparedData
-from tests.slurm_cluster import TERMINAL_STATES, SlurmCluster, slurm_cluster  # noqa: F401 (the fixture)
+from tests.slurm_cluster import TERMINAL_STATES, SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # ~0.1 s each: the interruptions land while the trainer still has seconds to go
