@@ -1,6 +1,6 @@
 """The main job, `make demo`: the whole chain on real text, on the CPU, in minutes.
 
-    python -m pretrain.demo [--work runs/demo] [--pretrain-steps 300]
+    python -m pretrain.demo [--work runs/demo] [--pretrain-steps 400]
 
 Stages, each the project's own command in a subprocess (so the demo runs exactly what a user runs):
   1. text       real English text written in C4's json.gz layout     python -m pretrain.data.fetch

@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-input-length", type=int, default=512)
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples of each file")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.max_input_length < 2:
+        parser.error(f"--max-input-length must be at least 2 (a token and EOS), got {args.max_input_length}")
+    if args.limit < 0:
+        parser.error(f"--limit must be 0 (all) or positive, got {args.limit}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         task, out = get_task(args.task), Path(args.output)

@@ -166,6 +166,11 @@ def finetune(cfg: FinetuneConfig) -> int:
     init_logging(dims.rank)
     if cfg.eval.method not in METHODS:
         raise ValueError(f"eval.method '{cfg.eval.method}' is not one of {', '.join(METHODS)}")
+    # checked here, not when the first evaluation runs after hours of training
+    if cfg.eval.batch < 1:
+        raise ValueError(f"eval.batch ({cfg.eval.batch}) must be at least 1")
+    if cfg.task.max_input_length < 2:
+        raise ValueError(f"task.max_input_length ({cfg.task.max_input_length}) must be at least 2 (a token and EOS)")
     if not cfg.init:
         raise ValueError("init is empty; pass init=EXPORT_DIR (made by python -m pretrain.export)")
     task = get_task(cfg.task.name)

@@ -81,11 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.vocab_size < 4:
         p.error(f"--vocab-size must be at least 4, got {args.vocab_size}")
+    if args.max_bytes < 1:
+        p.error(f"--max-bytes must be at least 1, got {args.max_bytes}")
     try:
         files = expand_glob(args.input)
     except ValueError as e:
         p.error(str(e))
-    model = train(files, args.output, args.vocab_size, args.max_bytes, args.seed, args.threads)
+    try:
+        model = train(files, args.output, args.vocab_size, args.max_bytes, args.seed, args.threads)
+    except RuntimeError as e:  # sentencepiece reports a sample too small for the vocabulary this way
+        p.error(f"sentencepiece failed: {str(e).splitlines()[0]}; lower --vocab-size or raise --max-bytes")
     tok = Tokenizer(model)
     print(f"{model}: {tok.num_pieces} pieces + 100 sentinels = {tok.num_ids} ids "
           f"(embedding rows {tok.padded_vocab_size(1)} at TP 1)")

@@ -45,8 +45,11 @@ def download_wheel(cache: Path) -> Path:
         log.info("downloading %s into %s", GENSIM, dest)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", GENSIM, "--dest", str(dest)]
-        subprocess.run(cmd, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(dest.glob("gensim-4.4.0-*.whl"))
+        if done.returncode != 0 or not found:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"could not download {GENSIM} from PyPI into {dest}: {last}")
     return found[0]
 
 
@@ -167,7 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--train-files must be at least 1, got {args.train_files}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     output = args.output or args.cache / "c4"
-    for path in fetch(output, args.cache, args.train_files):
+    try:
+        paths = fetch(output, args.cache, args.train_files)
+    except RuntimeError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    for path in paths:
         print(path)
 
 
