@@ -10,7 +10,9 @@
 # input files plus one job that writes the final index (shards/) -> pretrain (run/) -> export (export/) ->
 # finetune (only with --finetune-tasks: an array job, one fine-tuning task each, finetune/TASK/). --stages
 # runs a subset: the outputs of the skipped earlier steps must already be in WORK. Arguments after `--` go to
-# the trainer. Logs go to WORK/logs; for each submitted job one line `STEP JOBID` is printed.
+# the trainer. Only training shards are prepared: the config's data.valid is used as it is, so pass
+# `-- data.valid=SHARDS` (validation shards made with slurm/prepare_data.sbatch) or `-- eval.every=0`.
+# Logs go to WORK/logs; for each submitted job one line `STEP JOBID` is printed.
 set -euo pipefail
 source slurm/site.sh
 
