@@ -21,8 +21,10 @@ OPTIMIZERS = ("adamw", "adafactor")
 
 def num_accumulation_steps(cfg: TrainConfig, dp: int) -> int:
     """global batch = micro batch x accumulation x DP; a global batch that does not split is a user error."""
+    if cfg.micro_batch < 1:
+        raise ValueError(f"train.micro_batch ({cfg.micro_batch}) must be >= 1")
     per_pass = cfg.micro_batch * dp
-    if cfg.micro_batch < 1 or cfg.global_batch < per_pass or cfg.global_batch % per_pass:
+    if cfg.global_batch < per_pass or cfg.global_batch % per_pass:
         lower = max(cfg.global_batch // per_pass, 1) * per_pass
         raise ValueError(
             f"train.global_batch ({cfg.global_batch}) must equal train.micro_batch ({cfg.micro_batch}) x "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import get_global_norm_of_tensors
@@ -49,6 +50,8 @@ def train(cfg: Config) -> int:
     init_logging(dims.rank)
     check_parallel(cfg.model, dims.tp, dims.world)
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
+    if cfg.log.every < 1:
+        raise ValueError(f"log.every ({cfg.log.every}) must be >= 1: the steps between metrics lines")
     run_dir = Path(cfg.run.dir)
 
     # 2. Tokenizer: the vocabulary the model must hold --------------------------------------------------------
@@ -209,8 +212,6 @@ def step_metrics(engine, window: list[StepResult], elapsed: float, tokens_per_st
 
 def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
     """`mixture/<layer>/<mixer>`: how much each layer trusts each attention mixer (softmax weights)."""
-    import deepspeed
-
     params = [p for name, p in model.named_parameters() if ".mix" in name]
     with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):  # ZeRO-3 holds only shards
         weights = model.mixture_weights()
