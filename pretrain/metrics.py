@@ -71,7 +71,9 @@ def peak_flops(configured: float, device: torch.device) -> float:
 
 def measured_matmul_flops(n: int = 512, repeats: int = 8) -> float:
     """fp32 n x n x n matmul rate of this CPU process (its threads), the CPU stand-in for a peak figure."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    # a private generator: the global stream drives dropout, and a resumed run restores it before this call
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     a @ b  # warm-up: first call allocates and picks the kernel
     start = time.perf_counter()
     for _ in range(repeats):
