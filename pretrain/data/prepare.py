@@ -104,6 +104,20 @@ def write_index(output: Path, shards: list[Path], tokenizer_path: str) -> dict:
     return index
 
 
+def _check_output(output: Path, shards: list[Path], tokenizer_path: str) -> None:
+    """Refuse a folder whose existing shards would be kept but do not belong to this run: finished shards are
+    skipped, not compared, and the loader reads every tar in the folder."""
+    extra = sorted(p.name for p in output.glob("shard-*.tar") if p not in shards)
+    if extra:
+        raise ValueError(f"{output} holds {len(extra)} shards beyond the {len(shards)} input files ({extra[0]}, ...); "
+                         "remove them or choose another --output")
+    index = output / INDEX
+    sha = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()
+    if index.is_file() and json.loads(index.read_text()).get("tokenizer_sha256") != sha:
+        raise ValueError(f"the shards in {output} were prepared with another tokenizer than {tokenizer_path}; "
+                         "remove them or choose another --output")
+
+
 def prepare(
     files: list[str], output: Path, tokenizer_path: str, workers: int = 1, task_index: int = 0, num_tasks: int = 1,
     pack_tokens: int = PACK_TOKENS,
@@ -111,6 +125,7 @@ def prepare(
     """Prepare this task's share of `files` (every num_tasks-th, from task_index); returns the index."""
     output.mkdir(parents=True, exist_ok=True)
     shards = [output / shard_name(i) for i in range(len(files))]
+    _check_output(output, shards, tokenizer_path)
     todo = [(f, s) for f, s in list(zip(files, shards))[task_index::num_tasks] if not _finished(s)]
     skipped = len(files[task_index::num_tasks]) - len(todo)
     if skipped:
@@ -149,8 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         Tokenizer(args.tokenizer)
     except ValueError as e:
         p.error(str(e))
-    index = prepare(files, args.output, args.tokenizer, args.workers, args.task_index, args.num_tasks,
-                    args.pack_tokens)
+    try:
+        index = prepare(files, args.output, args.tokenizer, args.workers, args.task_index, args.num_tasks,
+                        args.pack_tokens)
+    except ValueError as e:
+        p.error(str(e))
     bad = ", ".join(f"{k}={v}" for k, v in index["bad"].items() if v) or "none"
     state = "complete" if index["complete"] else "partial (other tasks still running)"
     print(f"{args.output}: {len(index['shards'])} shards, {index['documents']} documents, "
