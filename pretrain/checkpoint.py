@@ -109,6 +109,7 @@ def prepare_resume(path: Path, model_cfg: ModelConfig, dims: ParallelDims) -> Re
 
 def convert_to_universal(path: Path, output: Path) -> None:
     """DeepSpeed's ds_to_universal (the same as `python -m deepspeed.checkpoint.ds_to_universal`)."""
+    # imported where used: only a layout change needs the converter (~0.6 s of imports per process)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     tmp = output.with_name(output.name + ".tmp")

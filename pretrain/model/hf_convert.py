@@ -38,33 +38,31 @@ def _check_vanilla(cfg: ModelConfig) -> None:
         )
 
 
-def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(our name, HF name) for parameters that map one to one."""
-    pairs = [("embed.weight", "shared.weight"), ("lm_head.weight", "lm_head.weight")]
-    for stack, num in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
-        pairs.append((f"{stack}.final_norm.weight", f"{stack}.final_layer_norm.weight"))
-        for i in range(num):
-            ours, hf = f"{stack}.layers.{i}", f"{stack}.block.{i}.layer"
-            ffn = 2 if stack == "decoder" else 1
-            pairs += [
-                (f"{ours}.attn_norm.weight", f"{hf}.0.layer_norm.weight"),
-                (f"{ours}.attn.o.weight", f"{hf}.0.SelfAttention.o.weight"),
-                (f"{ours}.ffn_norm.weight", f"{hf}.{ffn}.layer_norm.weight"),
-                (f"{ours}.ffn.wo.weight", f"{hf}.{ffn}.DenseReluDense.wo.weight"),
-            ]
-            if stack == "decoder":
-                pairs += [
-                    (f"{ours}.cross_norm.weight", f"{hf}.1.layer_norm.weight"),
-                    (f"{ours}.cross.q.weight", f"{hf}.1.EncDecAttention.q.weight"),
-                    (f"{ours}.cross.o.weight", f"{hf}.1.EncDecAttention.o.weight"),
-                ]
-    return pairs
-
-
 def _layers(cfg: ModelConfig):
+    """(stack, our layer prefix, HF layer prefix, index of the FFN sub-layer in HF's block) per layer."""
     for stack, num in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
         for i in range(num):
             yield stack, f"{stack}.layers.{i}", f"{stack}.block.{i}.layer", 2 if stack == "decoder" else 1
+
+
+def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) for parameters that map one to one."""
+    pairs = [("embed.weight", "shared.weight"), ("lm_head.weight", "lm_head.weight")]
+    pairs += [(f"{stack}.final_norm.weight", f"{stack}.final_layer_norm.weight") for stack in ("encoder", "decoder")]
+    for stack, ours, hf, ffn in _layers(cfg):
+        pairs += [
+            (f"{ours}.attn_norm.weight", f"{hf}.0.layer_norm.weight"),
+            (f"{ours}.attn.o.weight", f"{hf}.0.SelfAttention.o.weight"),
+            (f"{ours}.ffn_norm.weight", f"{hf}.{ffn}.layer_norm.weight"),
+            (f"{ours}.ffn.wo.weight", f"{hf}.{ffn}.DenseReluDense.wo.weight"),
+        ]
+        if stack == "decoder":
+            pairs += [
+                (f"{ours}.cross_norm.weight", f"{hf}.1.layer_norm.weight"),
+                (f"{ours}.cross.q.weight", f"{hf}.1.EncDecAttention.q.weight"),
+                (f"{ours}.cross.o.weight", f"{hf}.1.EncDecAttention.o.weight"),
+            ]
+    return pairs
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
