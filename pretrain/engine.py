@@ -11,7 +11,7 @@ import torch
 
 from pretrain.config import TrainConfig, ZeroConfig
 from pretrain.parallel import deepspeed_mpu
-from pretrain.schedule import build_scheduler
+from pretrain.schedule import SCHEDULES, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ def build_deepspeed_config(
         raise ValueError(f"zero.stage ({zero.stage}) must be 0, 1, 2 or 3")
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"train.optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if train.schedule not in SCHEDULES:
+        raise ValueError(f"train.schedule '{train.schedule}' is not one of {', '.join(SCHEDULES)}")
     accumulation = num_accumulation_steps(train, dp)
     ds: dict[str, Any] = {
         "train_batch_size": train.global_batch,  # = micro x accumulation x DP; DeepSpeed re-checks it

@@ -22,7 +22,7 @@ from pretrain.checkpoint import CheckpointManager, TrainerState, find_resume, pr
 from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.span_corruption import input_and_target_lengths
-from pretrain.engine import build_engine, num_accumulation_steps
+from pretrain.engine import build_deepspeed_config, build_engine
 from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, SkipBudget, any_rank_true, run_with_exit_codes
 from pretrain.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax
@@ -49,7 +49,8 @@ def train(cfg: Config) -> int:
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
     check_parallel(cfg.model, dims.tp, dims.world)
-    accumulation = num_accumulation_steps(cfg.train, dims.dp)
+    # every engine option (batch split, ZeRO stage, precision, optimizer, schedule) is checked before allocation
+    accumulation = build_deepspeed_config(cfg.train, cfg.zero, cfg.precision, dims.dp)["gradient_accumulation_steps"]
     if cfg.log.every < 1:
         raise ValueError(f"log.every ({cfg.log.every}) must be >= 1: the steps between metrics lines")
     run_dir = Path(cfg.run.dir)
