@@ -31,6 +31,8 @@ def check_model(cfg: ModelConfig, tp: int = 1) -> None:
             raise ValueError(f"model.{key} ({getattr(cfg, key)}) must be >= 1")
     if cfg.relative_attention_num_buckets < 4:
         raise ValueError(f"model.relative_attention_num_buckets ({cfg.relative_attention_num_buckets}) must be >= 4")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ValueError(f"model.dropout ({cfg.dropout}) must be in [0, 1)")
     check_parallel(cfg, tp, tp)
 
 
