@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from pretrain.checkpoint import CheckpointManager, TrainerState, find_resume, prepare_resume
 from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import build_eval_loader, build_train_loader
+from pretrain.data.shards import expand_shards
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_deepspeed_config, build_engine
 from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, SkipBudget, any_rank_true, run_with_exit_codes
@@ -74,6 +75,8 @@ def train(cfg: Config) -> int:
     # 5. Data: this DP rank's stream of span-corrupted micro batches ------------------------------------------
     loader = build_train_loader(cfg.data, seed=cfg.run.seed, dp_rank=dims.dp_rank, dp_size=dims.dp,
                                 micro_batch=cfg.train.micro_batch)
+    if cfg.eval.every and cfg.data.valid:
+        expand_shards(cfg.data.valid)  # a wrong validation path fails now, not at the first evaluation hours later
 
     # 6. Restore: engine (weights, optimizer, LR schedule), RNG, data position, counters ----------------------
     state = TrainerState(step=0, tokens_seen=0, skipped_steps=0, tp=dims.tp, dp=dims.dp)
