@@ -12,16 +12,24 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import NoReturn, Sequence, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from pretrain.cli import exit_on_help
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """A user mistake (bad config value, missing or wrong input file, an impossible layout): the entry points
+    print its one-line message and exit 2. Every other exception is a bug or an environment failure and keeps
+    its traceback (exit 1). It subclasses ValueError only so that callers catching ValueError keep working."""
+
+
+class ConfigError(UsageError):
     """A mistake in a config file or an override; the message is one line meant for the user."""
 
 
@@ -49,21 +57,21 @@ class ZeroConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 32128  # embedding rows: the tokenizer's 32100 ids padded to a multiple of 128
-    d_model: int = 512
+    d_model: int = 512  # hidden width of every layer
     d_ff: int = 1024  # gated-GELU hidden width
     d_kv: int = 64  # per-head width
-    num_heads: int = 6
+    num_heads: int = 6  # attention heads (a multiple of parallel.tensor)
     num_layers: int = 8  # encoder layers
-    num_decoder_layers: int = 8
+    num_decoder_layers: int = 8  # decoder layers
     max_length: int = 512  # N: synthesized logits are N x N and sliced to [:n, :m]
     encoder_attention: str = "vanilla"  # a mixer name or a mixture "a+b[+c]"
-    decoder_attention: str = "vanilla"
+    decoder_attention: str = "vanilla"  # same forms as encoder_attention, for decoder self-attention
     factorized_k: int = 8  # rank k of factorized_random (R1 R2^T, R1, R2 in R^{N x k})
     mixture_per_head: bool = False  # one mixture weight vector per head instead of per layer
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    dropout: float = 0.0
-    layer_norm_eps: float = 1e-6
+    relative_attention_num_buckets: int = 32  # T5 relative position buckets (vanilla attention)
+    relative_attention_max_distance: int = 128  # distance beyond which positions share a bucket
+    dropout: float = 0.0  # dropout rate in [0, 1) (T5 v1.1 pretrains with 0)
+    layer_norm_eps: float = 1e-6  # RMS norm epsilon
     initializer_factor: float = 1.0  # T5's init scale (1.0 in all released checkpoints)
 
 
@@ -74,16 +82,16 @@ class TrainConfig:
     global_batch: int = 8  # micro_batch x gradient accumulation x DP
     exit_after: int = 0  # end this run after K steps with a checkpoint (0: run to `steps`)
     optimizer: str = "adamw"  # adamw or adafactor
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak learning rate
     weight_decay: float = 0.0  # decoupled; never applied to norms
-    beta1: float = 0.9
-    beta2: float = 0.999
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.999  # AdamW second-moment decay
     schedule: str = "inverse_sqrt"  # inverse_sqrt (T5) or cosine
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # steps of linear warmup to lr
     min_lr: float = 0.0  # cosine floor
     grad_clip: float = 1.0  # global-norm clipping (0: off)
     max_skipped_steps: int = 10  # non-finite losses tolerated before the run stops
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute layer activations in backward: less memory, ~1/3 more compute
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,8 @@ class DataConfig:
     valid: str = ""  # same forms; empty: no evaluation data
     tokenizer: str = ""  # path to spiece.model
     input_length: int = 512  # encoder length after span corruption; targets length follows (568 -> 114)
-    noise_density: float = 0.15
-    mean_noise_span_length: float = 3.0
+    noise_density: float = 0.15  # fraction of input tokens masked by span corruption
+    mean_noise_span_length: float = 3.0  # mean length of a masked span
     workers: int = 1  # DataLoader worker processes per rank
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
 
@@ -202,24 +210,27 @@ def save_config(cfg, path: str | Path) -> None:
 
 
 def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "") -> T:
-    """`[--config FILE] [section.key=value ...]` -> config; user mistakes exit 2 with one line on stderr."""
+    """`[--config FILE] [section.key=value ...]` -> config; `--help` lists the keys (pretrain.cli) and exits 0;
+    user mistakes exit 2 with one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_on_help(schema.__name__, prog or schema.__module__, argv)
     path = None
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    if at is not None:
+        inline = argv[at].startswith("--config=")
+        path = argv[at].partition("=")[2] if inline else (argv[at + 1] if at + 1 < len(argv) else "")
+        del argv[at : at + (1 if inline else 2)]
+        if not path:
             _exit(prog, "--config needs a file")
-        path = argv[i + 1]
-        del argv[i : i + 2]
     stray = [a for a in argv if a.startswith("-")]
     if stray:
-        _exit(prog, f"unknown option {stray[0]}; use --config FILE and section.key=value overrides")
+        _exit(prog, f"unknown option {stray[0]}; use --config FILE and section.key=value overrides (--help lists the keys)")
     try:
         return load_config(schema, path, argv)
     except ConfigError as e:
         _exit(prog, str(e))
 
 
-def _exit(prog: str, msg: str):
+def _exit(prog: str, msg: str) -> NoReturn:
     print(f"{prog + ': ' if prog else ''}error: {msg}", file=sys.stderr)
     raise SystemExit(2)
