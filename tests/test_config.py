@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pretrain.config import Config, ConfigError, load_config, save_config
+from pretrain.config import Config, ConfigError, load_config, parse_args, save_config
 
 TINY = "configs/tiny.yaml"
 
@@ -39,9 +39,28 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(Config, tmp_path / "config.yaml") == cfg
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "base", "large", "xl", "xxl"])
-def test_shipped_configs_load(name):
-    load_config(Config, f"configs/{name}.yaml")
+# T5 v1.1 as published (google-research/text-to-text-transfer-transformer, t5.1.1 gin files):
+# d_model, d_ff, num_heads, layers per stack; every size has 64-wide heads
+T5_V1_1 = {"small": (512, 1024, 6, 8), "base": (768, 2048, 12, 12), "large": (1024, 2816, 16, 24),
+           "xl": (2048, 5120, 32, 24), "xxl": (4096, 10240, 64, 24)}
+
+
+@pytest.mark.parametrize("name", sorted(T5_V1_1))
+def test_size_configs_are_t5_v1_1(name):
+    m = load_config(Config, f"configs/{name}.yaml").model
+    assert (m.d_model, m.d_ff, m.num_heads, m.num_layers) == T5_V1_1[name]
+    assert m.num_decoder_layers == m.num_layers and m.d_kv == 64
+
+
+def test_tiny_config_is_smaller_than_small():
+    tiny, small = load_config(Config, TINY).model, load_config(Config, "configs/small.yaml").model
+    assert tiny.d_model < small.d_model and tiny.num_layers < small.num_layers
+
+
+def test_config_flag_with_equals_sign():
+    expected = load_config(Config, TINY, ["train.steps=3"])
+    assert parse_args(Config, ["--config=" + TINY, "train.steps=3"]) == expected
+    assert parse_args(Config, ["train.steps=3", "--config", TINY]) == expected
 
 
 def test_cli_error_has_no_traceback():
