@@ -1,17 +1,21 @@
 """The metrics logger: one JSON object per logged step in `run.dir/metrics.jsonl` and the same scalars in
-TensorBoard event files under `run.dir/tensorboard/`. Only global rank 0 writes; elsewhere it is a no-op.
+TensorBoard event files under `run.dir/tensorboard/` (with a tokens-seen axis, images and text), optionally
+mirrored to Weights & Biases (`log.wandb`). Only global rank 0 writes; elsewhere it is a no-op.
 
 Also the figures a progress line needs that are not losses: the device's peak FLOP/s for model FLOPs
 utilisation (configured, a table on GPUs, or a measured matmul rate on CPU) and peak memory.
 """
 from __future__ import annotations
 
+import hashlib
+import html
 import json
 import logging
 import resource
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -21,10 +25,17 @@ _GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 
 class MetricsLogger:
-    """`write(step, scalars)` appends to metrics.jsonl and TensorBoard; resuming drops records after `start_step`."""
+    """`write(step, scalars)` appends to metrics.jsonl and TensorBoard; resuming drops records after `start_step`.
 
-    def __init__(self, run_dir: str | Path, enabled: bool, start_step: int = 0) -> None:
+    `write_images(step, {tag: HWC uint8})` and `write_text(tag, text)` go to TensorBoard (and W&B). With
+    `wandb=PROJECT` every call is mirrored to a W&B run named after the run folder (resumed, not duplicated,
+    when the job restarts); WANDB_MODE=offline keeps it on disk under run.dir/wandb.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, start_step: int = 0, wandb: str = "",
+                 config: dict | None = None) -> None:
         self.enabled = enabled
+        self._wandb = None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter  # imported where used: rank 0 only
@@ -39,20 +50,59 @@ class MetricsLogger:
         self._file = self.path.open("a")
         # purge_step hides the same stale steps from TensorBoard
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        if wandb:
+            import wandb as wandb_lib  # optional dependency, imported only when asked for
 
-    def write(self, step: int, scalars: dict[str, float]) -> None:
+            # one id per run folder: a restarted job continues the same W&B run
+            run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+            self._wandb = wandb_lib.init(project=wandb, name=run_dir.name, id=run_id, resume="allow",
+                                         dir=str(run_dir), config=config or {})
+
+    def write(self, step: int, scalars: dict[str, float], tokens_seen: int | None = None) -> None:
+        """One metrics line; with `tokens_seen`, the same scalars also under `by_tokens/` with tokens as the x axis."""
         if not self.enabled:
             return
-        self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+        extra = {} if tokens_seen is None else {"tokens_seen": tokens_seen}
+        self._file.write(json.dumps({"step": step, **scalars, **extra}) + "\n")
         self._file.flush()
         for key, value in scalars.items():
             self._tb.add_scalar(key, value, step)
+            if tokens_seen is not None:
+                self._tb.add_scalar(f"by_tokens/{key}", value, tokens_seen)
         self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({**scalars, **extra}, step=step)
+
+    def write_images(self, step: int, images: dict[str, np.ndarray]) -> None:
+        """Images [height, width, 3] uint8 (e.g. `pretrain.figures.synthesizer_images(model)`) at `step`."""
+        if not self.enabled:
+            return
+        for tag, image in images.items():
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+        self._tb.flush()
+        if self._wandb is not None:
+            import wandb as wandb_lib
+
+            self._wandb.log({tag: wandb_lib.Image(image) for tag, image in images.items()}, step=step)
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        """Text shown verbatim (e.g. the resolved config: `write_text("config", to_yaml(cfg))`)."""
+        if not self.enabled:
+            return
+        # TensorBoard renders text as markdown: indenting by four spaces keeps YAML a code block
+        self._tb.add_text(tag, "".join("    " + line + "\n" for line in text.splitlines()), step)
+        self._tb.flush()
+        if self._wandb is not None:
+            import wandb as wandb_lib
+
+            self._wandb.log({tag: wandb_lib.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def peak_flops(configured: float, device: torch.device) -> float:

@@ -1,0 +1,245 @@
+"""Pictures of what a Synthesizer learned, shared by TensorBoard logging and the study's figures.
+
+Pure functions of a model or a state dict (no files, no process groups):
+- `synthesizer_matrices(state)`: the learned Random / Fixed Random / Factorized Random logit matrices per
+  layer, [heads, N, N] (Factorized Random as R1 R2^T), from our names or the export's HF names;
+- `mixture_grids(model)`: the softmax mixture weights as a [layers, heads] grid per stack and mixer;
+- `synthesizer_images(model)`: both as HWC uint8 heatmaps for `MetricsLogger.write_images`;
+- `attention_maps(model, input_ids)`: the first encoder layer's attention probabilities per mixer and mixed,
+  recomputed from the layer's own weights (the paper's Dense-vs-vanilla picture).
+The matplotlib figures of the study and of `pretrain.plot` live here too (`plot_*`), one PNG each.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+# our names (encoder.layers.0.attn.synth.random.r) and the export's (encoder.block.0.layer.0.SelfAttention.synth...)
+_RANDOM = re.compile(r"^(encoder|decoder)\.(?:layers|block)\.(\d+)\..*synth\.(random|fixed_random|factorized_random)\.(r|r1)$")
+
+
+def synthesizer_matrices(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"encoder.layers.0/random": [heads, N, N]} for every input-independent synthesizer in `state`."""
+    found = []
+    for name, t in state.items():
+        m = _RANDOM.match(name)
+        if not m:
+            continue
+        stack, layer, mixer, part = m.groups()
+        r = t.detach().float()
+        if part == "r1":  # R = R1 R2^T: [heads, N, k] @ [heads, k, N]
+            r = r @ state[name[:-1] + "2"].detach().float().transpose(1, 2)
+        found.append(((stack, int(layer), mixer), r))
+    return {f"{stack}.layers.{layer}/{mixer}": r for (stack, layer, mixer), r in sorted(found, key=lambda f: (f[0][0] != "encoder", *f[0][1:]))}
+
+
+def mixture_grids(model) -> dict[str, np.ndarray]:
+    """{"encoder/random": [layers, heads]}: each mixer's softmax weight per layer and head (a per-layer
+    weight is the same for every head). Per-head weights are gathered over TP: call on every TP rank."""
+    weights = model.mixture_weights()  # {"encoder.layers.3": [k] or [heads, k]}
+    heads = model.config.num_heads
+    grids: dict[str, list[np.ndarray]] = {}
+    for layer, w in weights.items():
+        stack = layer.split(".")[0]
+        w = w.float().cpu()
+        w = w.expand(heads, -1) if w.dim() == 1 else w  # [heads, k]
+        for i, mixer in enumerate(model.mixers[stack]):
+            grids.setdefault(f"{stack}/{mixer}", []).append(w[:, i].numpy())
+    return {tag: np.stack(rows) for tag, rows in grids.items()}
+
+
+def heatmap(matrix: np.ndarray, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
+    """A 2-D array as an HWC uint8 RGB image (viridis, min..max of the array unless given)."""
+    from matplotlib import colormaps
+
+    matrix = np.asarray(matrix, dtype=np.float64)
+    lo = matrix.min() if vmin is None else vmin
+    hi = matrix.max() if vmax is None else vmax
+    scaled = (matrix - lo) / (hi - lo) if hi > lo else np.zeros_like(matrix)
+    return (colormaps["viridis"](np.clip(scaled, 0, 1))[..., :3] * 255).astype(np.uint8)  # [H, W, 3]
+
+
+def _tile(images: Sequence[np.ndarray], gap: int = 2) -> np.ndarray:
+    """Images of one height side by side with a white gap (one tile per head)."""
+    h = images[0].shape[0]
+    spacer = np.full((h, gap, 3), 255, dtype=np.uint8)
+    parts = [p for img in images for p in (img, spacer)][:-1]
+    return np.concatenate(parts, axis=1)
+
+
+def synthesizer_images(model) -> dict[str, np.ndarray]:
+    """TensorBoard images ({tag: HWC uint8}) of this rank's learned random matrices (heads side by side, one
+    colour scale per layer) and of each mixer's mixture weights as a layer x head grid (scale 0..1).
+    Call on every rank (per-head mixture weights are gathered over TP); ZeRO-3 needs the parameters gathered."""
+    images = {}
+    for tag, r in synthesizer_matrices(model.state_dict()).items():
+        lo, hi = float(r.min()), float(r.max())
+        images[f"synthesizer/{tag}"] = _tile([heatmap(h.cpu().numpy(), lo, hi) for h in r])
+    for tag, grid in mixture_grids(model).items():
+        # a few pixels per cell: a 2 x 4 grid would be invisible at one pixel each
+        images[f"mixture_heads/{tag}"] = np.kron(heatmap(grid, 0.0, 1.0), np.ones((16, 16, 1), dtype=np.uint8))
+    return images
+
+
+@torch.no_grad()
+def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The first encoder layer's self-attention on one unpadded sequence: {mixer: [heads, n, n]} for each
+    mixer alone (softmax of its logits + position bias) and "mixed" (the probabilities the layer uses).
+
+    The layer's input, position bias and mask are captured with a forward hook; the logits are recomputed
+    from the layer's own projections (Q/K for vanilla, the synthesizer modules otherwise)."""
+    attn = model.encoder.layers[0].attn
+    captured = {}
+
+    def hook(module, args, kwargs, output):
+        captured["x"], captured["bias"] = args[0], args[1]
+        captured["out"] = output
+
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    try:
+        model.encode(input_ids, torch.ones_like(input_ids))
+    finally:
+        handle.remove()
+    x, additive = captured["x"], captured["bias"]  # [1, n, d], [1, heads, n, n] (no padding: bias only)
+    b, n, _ = x.shape
+    logits = {}
+    for name in attn.mixers:
+        if name == "vanilla":
+            qkv = attn.qkv(x)[0].view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
+            logits[name] = qkv[0] @ qkv[1].transpose(-1, -2)  # [1, heads, n, n]; T5 folds the scale into Q
+        else:
+            logits[name] = attn.synth[name](x, 0, n).expand(b, -1, -1, -1)
+    if len(attn.mixers) > 1:
+        alpha = attn.mixture_weights()  # [k] or [heads, k]
+        mixed = sum(logits[m] * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
+                    for i, m in enumerate(attn.mixers))
+    else:
+        mixed = logits[attn.mixers[0]]
+    maps = {name: torch.softmax(s + additive, dim=-1)[0] for name, s in logits.items()}
+    maps["mixed"] = torch.softmax(mixed + additive, dim=-1)[0]
+    return maps
+
+
+# --------------------------------------------------------------------------------------------------------
+# matplotlib figures (PNG files)
+# --------------------------------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on clusters and CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(series: Mapping[str, Sequence[tuple[float, float]]], path: Path, xlabel: str, ylabel: str,
+                title: str = "") -> Path:
+    """One line per label from (x, y) points; labels sharing a prefix before ' seed' share a colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours: dict[str, str] = {}
+    for label, points in series.items():
+        if not points:
+            continue
+        group = label.split(" seed")[0]
+        xs, ys = zip(*points)
+        line = ax.plot(xs, ys, label=label, color=colours.get(group), linewidth=1.2)[0]
+        colours.setdefault(group, line.get_color())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def plot_bars(means: Mapping[str, Mapping[str, float]], stds: Mapping[str, Mapping[str, float]], path: Path,
+              title: str = "") -> Path:
+    """Grouped bars: one group per metric, one bar per variant, error bars of one standard deviation."""
+    plt = _pyplot()
+    variants = list(means)
+    metrics = sorted({m for v in means.values() for m in v})
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(metrics) * max(1, len(variants)) / 3), 4.2))
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(metrics))]
+        ys = [means[variant].get(m, np.nan) for m in metrics]
+        errs = [stds[variant].get(m, 0.0) for m in metrics]
+        ax.bar(xs, ys, width, yerr=errs, capsize=3, label=variant)
+    ax.set_xticks(range(len(metrics)), metrics, fontsize=8)
+    if title:
+        ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def plot_mixture(series: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]], path: Path, title: str) -> Path:
+    """One panel per layer ({layer: {mixer: [(step, weight)]}}), one line per mixer."""
+    plt = _pyplot()
+    layers = list(series)
+    cols = min(4, len(layers))
+    rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)
+    for ax, layer in zip(axes.flat, layers):
+        for mixer, points in series[layer].items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, label=mixer)
+        ax.set_title(layer, fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(layers):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.supxlabel("step", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_heads(matrices: Mapping[str, torch.Tensor], path: Path, title: str) -> Path:
+    """Rows of per-head heatmaps ({row label: [heads, n, m]}), as the paper's figure of learned matrices."""
+    plt = _pyplot()
+    labels = list(matrices)
+    heads = max(m.shape[0] for m in matrices.values())
+    fig, axes = plt.subplots(len(labels), heads, figsize=(1.9 * heads, 1.9 * len(labels) + 0.4), squeeze=False)
+    for row, label in enumerate(labels):
+        for h in range(heads):
+            ax = axes[row, h]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if h < matrices[label].shape[0]:
+                ax.imshow(matrices[label][h].cpu().numpy(), cmap="viridis", interpolation="nearest")
+            if row == 0:
+                ax.set_title(f"head {h}", fontsize=8)
+            if h == 0:
+                ax.set_ylabel(label, fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_attention(maps: Mapping[str, torch.Tensor], tokens: Sequence[str], path: Path, title: str,
+                   head: int = 0) -> Path:
+    """Side by side: one attention map per label ({label: [heads, n, n]}, `head` shown), tokens on the axes."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(maps), figsize=(5 * len(maps), 5), squeeze=False)
+    for ax, (label, m) in zip(axes[0], maps.items()):
+        ax.imshow(m[head].cpu().numpy(), cmap="viridis", vmin=0)
+        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(tokens)), tokens, fontsize=6)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _pyplot().close(fig)
+    return path

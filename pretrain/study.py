@@ -1,0 +1,359 @@
+"""The Synthesizer study: attention variants x seeds, each pretrained on the same data and step budget,
+exported, fine-tuned and evaluated on every listed task; one table and a folder of figures.
+
+    python -m pretrain.study --config configs/study/cpu.yaml [section.key=value ...]
+
+Every step is the project's own command in a subprocess (`pretrain.train`, `pretrain.export`,
+`pretrain.finetune`; through `launch.local`, i.e. torchrun, when study.processes > 1), so the study runs what
+a user runs and knows nothing of the trainer's internals. The parts, for SLURM arrays (slurm/study.sh):
+
+    --stage data                      fetch text, tokenizer, shards and the polarity set (data.fetch)
+    --cells                           print the number of cells (variants x seeds)
+    --cell I --stage pretrain         pretrain cell I          --cell I --stage downstream   export + fine-tune
+    --stage report                    results.csv, results.md, figures/ from whatever cells finished
+
+study.dir holds data/ (when fetched), cells/VARIANT-sSEED/ (pretrain/, export/, finetune/TASK/, logs/,
+done/ stage markers, and cell.json, the cell's row, written last), results.csv, results.md and figures/.
+Resume: a cell with cell.json is skipped; a stage with its marker is skipped; an unfinished pretraining or
+fine-tuning resumes from its run's checkpoints/latest (the jobs auto-resume). A failing stage writes the
+cell's failed.json (stage, exit code, log) and the study goes on with the next cell; it is retried on a rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrain.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT_ONLY = ("variant", "encoder", "decoder", "status")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration (configs/study/*.yaml)
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    encoder: str = "vanilla"  # model.encoder_attention: a mixer or a mixture "a+b"
+    decoder: str = "vanilla"  # model.decoder_attention
+    name: str = ""  # label in tables and figures; default the encoder setting (encoder/decoder when they differ)
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.encoder if self.encoder == self.decoder else f"{self.encoder}/{self.decoder}")
+
+
+@dataclass(frozen=True)
+class StudyTask:
+    name: str = "polarity"  # label; configs/finetune/NAME.yaml unless `config` is set
+    config: str = ""  # fine-tuning config file
+    data: str = ""  # the task's folder; empty: the fetched polarity set (data.fetch)
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    dir: str = "runs/study"  # the study folder
+    variants: list[Variant] = field(default_factory=lambda: [Variant()])
+    seeds: list[int] = field(default_factory=lambda: [1, 2])  # run.seed of each cell
+    tasks: list[StudyTask] = field(default_factory=list)  # fine-tuning tasks (empty: pretraining only)
+    processes: int = 1  # processes per pretraining / fine-tuning (torchrun via launch.local when > 1)
+
+
+@dataclass(frozen=True)
+class StudyDataConfig:
+    fetch: bool = True  # make demo's data chain into `dir`: real text, tokenizer, shards, polarity set
+    dir: str = ""  # where fetched data goes (default: study.dir/data); reused when already there
+    vocab_size: int = 1000  # tokenizer pieces (+ 100 sentinels) when fetching
+    train: str = ""  # shards, valid shards and spiece.model when not fetching
+    valid: str = ""
+    tokenizer: str = ""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    config: str = "configs/tiny.yaml"  # the job's config file (pretraining; fine-tuning uses each task's)
+    overrides: list[str] = field(default_factory=list)  # section.key=value for every cell's job
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    study: GridConfig = field(default_factory=GridConfig)
+    data: StudyDataConfig = field(default_factory=StudyDataConfig)
+    pretrain: StageConfig = field(default_factory=StageConfig)
+    finetune: StageConfig = field(default_factory=lambda: StageConfig(config=""))
+
+
+def check_study(cfg: StudyConfig) -> None:
+    labels = [v.label for v in cfg.study.variants]
+    if not labels or not cfg.study.seeds:
+        raise ConfigError("study.variants and study.seeds must each list at least one entry")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"study.variants: two variants are labelled the same ({labels}); set their name")
+    if cfg.study.processes < 1:
+        raise ConfigError(f"study.processes ({cfg.study.processes}) must be >= 1")
+    if not cfg.data.fetch and not (cfg.data.train and cfg.data.tokenizer):
+        raise ConfigError("data.fetch is false: set data.train, data.valid and data.tokenizer")
+    for task in cfg.study.tasks:
+        if not task.data and not (cfg.data.fetch and task.name == "polarity"):
+            raise ConfigError(f"study.tasks '{task.name}': set its data folder (only polarity is fetched)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cells and their commands
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    variant: Variant
+    seed: int
+    dir: Path
+
+    @property
+    def title(self) -> str:
+        return f"{self.variant.label} seed {self.seed}"
+
+
+def slug(label: str) -> str:
+    """A file-name form of a variant label: 'random+vanilla' -> 'random-vanilla'."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", label)
+
+
+def cells(cfg: StudyConfig) -> list[Cell]:
+    root = Path(cfg.study.dir).resolve() / "cells"  # absolute: the jobs run from the repository root
+    return [Cell(v, s, root / f"{slug(v.label)}-s{s}") for v, s in itertools.product(cfg.study.variants, cfg.study.seeds)]
+
+
+def data_paths(cfg: StudyConfig) -> dict[str, str]:
+    """data.train / data.valid / data.tokenizer for the jobs, and `polarity`, the fetched task folder."""
+    if not cfg.data.fetch:
+        return {"train": cfg.data.train, "valid": cfg.data.valid, "tokenizer": cfg.data.tokenizer, "polarity": ""}
+    root = Path(cfg.data.dir or Path(cfg.study.dir) / "data").resolve()
+    return {"train": str(root / "shards" / "train"), "valid": str(root / "shards" / "valid"),
+            "tokenizer": str(root / "tokenizer" / "spiece.model"), "polarity": str(root / "polarity")}
+
+
+def _module(cfg: StudyConfig, module: str, args: list[str]) -> list[str]:
+    if cfg.study.processes == 1:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "launch.local", "--nproc-per-node", str(cfg.study.processes), "--module", module, *args]
+
+
+def _run(cmd: list[str], log_file: Path) -> int:
+    """A job in a subprocess from the repository root, its output in `log_file` (appended: resumes add to it)."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with log_file.open("a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def prepare_data(cfg: StudyConfig) -> None:
+    """make demo's data stages (same commands), each skipped when its output is there."""
+    if not cfg.data.fetch:
+        return
+    paths = data_paths(cfg)
+    root, py = Path(paths["polarity"]).parent, sys.executable
+    text = root / "text"
+    stages = [
+        ("text", [py, "-m", "pretrain.data.fetch", "--output", str(text)], text / "c4-validation.00000-of-00001.json.gz"),
+        ("tokenizer", [py, "-m", "tokenizer.train", "--input", str(text / "c4-train.*.json.gz"), "--output",
+                       str(root / "tokenizer"), "--vocab-size", str(cfg.data.vocab_size)], Path(paths["tokenizer"])),
+        ("train shards", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-train.*.json.gz"),
+                          "--output", paths["train"], "--tokenizer", paths["tokenizer"]], Path(paths["train"]) / "index.json"),
+        ("valid shards", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-validation.*.json.gz"),
+                          "--output", paths["valid"], "--tokenizer", paths["tokenizer"]], Path(paths["valid"]) / "index.json"),
+        ("polarity", [py, "-m", "pretrain.tasks.polarity", "--output", paths["polarity"]], Path(paths["polarity"]) / "test.tsv"),
+    ]
+    for name, cmd, done in stages:
+        if done.exists():
+            continue
+        _say(f"data: {name}")
+        if _run(cmd, root / "logs" / f"{name.replace(' ', '_')}.log") != 0:
+            raise SystemExit(f"study: data stage '{name}' failed; its output is in {root / 'logs'}")
+
+
+def _stage(cfg: StudyConfig, cell: Cell, name: str, cmd: list[str]) -> bool:
+    """Run one stage of a cell unless its marker exists; on failure record failed.json and return False."""
+    marker = cell.dir / "done" / name
+    if marker.exists():
+        return True
+    _say(f"{cell.title}: {name}")
+    start = time.perf_counter()
+    log_file = cell.dir / "logs" / f"{name}.log"
+    rc = _run(cmd, log_file)
+    if rc != 0:
+        _say(f"{cell.title}: {name} FAILED (exit {rc}), see {log_file}")
+        (cell.dir / "failed.json").write_text(json.dumps({"stage": name, "exit_code": rc, "log": str(log_file)}) + "\n")
+        return False
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{time.perf_counter() - start:.1f}\n")  # seconds the stage took
+    return True
+
+
+def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
+    data = data_paths(cfg)
+    args = ["--config", cfg.pretrain.config, *cfg.pretrain.overrides, f"run.dir={cell.dir / 'pretrain'}",
+            f"run.seed={cell.seed}", f"model.encoder_attention={cell.variant.encoder}",
+            f"model.decoder_attention={cell.variant.decoder}", f"data.train={data['train']}",
+            f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}"]
+    return _stage(cfg, cell, "pretrain", _module(cfg, "pretrain.train", args))
+
+
+def run_downstream(cfg: StudyConfig, cell: Cell) -> bool:
+    """Export, then fine-tune and evaluate on each task; then the cell's row (cell.json) as the last write."""
+    export = cell.dir / "export"
+    cmd = [sys.executable, "-m", "pretrain.export", "--run", str(cell.dir / "pretrain"), "--output", str(export)]
+    if not export.is_dir() and not _stage(cfg, cell, "export", cmd):
+        return False
+    for task in cfg.study.tasks:
+        args = ["--config", task.config or f"configs/finetune/{task.name}.yaml", *cfg.finetune.overrides,
+                f"init={export}", f"data.dir={task.data or data_paths(cfg)['polarity']}",
+                f"run.dir={cell.dir / 'finetune' / task.name}", f"run.seed={cell.seed}"]
+        if not _stage(cfg, cell, f"finetune-{task.name}", _module(cfg, "pretrain.finetune", args)):
+            return False
+    row = cell_row(cfg, cell)
+    (cell.dir / "cell.json.tmp").write_text(json.dumps(row, indent=1) + "\n")
+    (cell.dir / "cell.json.tmp").replace(cell.dir / "cell.json")
+    return True
+
+
+def run_cell(cfg: StudyConfig, cell: Cell, stages: tuple[str, ...] = ("pretrain", "downstream")) -> bool:
+    if (cell.dir / "cell.json").is_file():
+        _say(f"{cell.title}: finished earlier, skipped")
+        return True
+    (cell.dir / "failed.json").unlink(missing_ok=True)  # a rerun retries a failed cell
+    ok = "pretrain" not in stages or run_pretrain(cfg, cell)
+    return ok and ("downstream" not in stages or run_downstream(cfg, cell))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rows: every number read back from the cell's own files
+# --------------------------------------------------------------------------------------------------------
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def pretrain_figures(records: list[dict]) -> dict[str, float]:
+    """tokens/s: the mean over logged windows but the first (it holds start-up and warm-up, when there are
+    several); eval loss and token accuracy: the last evaluation."""
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    speeds = speeds[1:] if len(speeds) > 1 else speeds
+    evals = [r for r in records if "eval_loss" in r]
+    out = {"tokens_per_s": sum(speeds) / len(speeds) if speeds else float("nan")}
+    out["eval_loss"] = evals[-1]["eval_loss"] if evals else float("nan")
+    out["eval_accuracy"] = evals[-1]["eval_accuracy"] if evals else float("nan")
+    return out
+
+
+def downstream_figures(task: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """results.json {split: {metric: value}} -> {"task/metric"} (one split) or {"task/split/metric"}."""
+    if len(results) == 1:
+        return {f"{task}/{k}": v for scores in results.values() for k, v in scores.items()}
+    return {f"{task}/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
+
+
+def count_parameters(export: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        total = 0
+        for key in f.keys():
+            n = 1
+            for d in f.get_slice(key).get_shape():
+                n *= d
+            total += n
+    return total
+
+
+def cell_row(cfg: StudyConfig, cell: Cell) -> dict:
+    row = {"variant": cell.variant.label, "encoder": cell.variant.encoder, "decoder": cell.variant.decoder,
+           "seed": cell.seed, "status": "ok", "parameters": count_parameters(cell.dir / "export")}
+    row.update(pretrain_figures(read_metrics(cell.dir / "pretrain")))
+    for task in cfg.study.tasks:
+        results = json.loads((cell.dir / "finetune" / task.name / "results.json").read_text())
+        row.update(downstream_figures(task.name, results))
+    return row
+
+
+def collect(cfg: StudyConfig) -> list[dict]:
+    """One row per cell: its cell.json, or its variant, seed and what became of it."""
+    rows = []
+    for cell in cells(cfg):
+        if (cell.dir / "cell.json").is_file():
+            rows.append(json.loads((cell.dir / "cell.json").read_text()))
+            continue
+        status = "not run"
+        if (cell.dir / "failed.json").is_file():
+            failed = json.loads((cell.dir / "failed.json").read_text())
+            status = f"failed at {failed['stage']} (exit {failed['exit_code']}; {failed['log']})"
+        rows.append({"variant": cell.variant.label, "encoder": cell.variant.encoder, "decoder": cell.variant.decoder,
+                     "seed": cell.seed, "status": status})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+def run_study(cfg: StudyConfig) -> int:
+    """The whole study in this process; exit 1 if a cell failed (the report is written either way)."""
+    from pretrain.study_report import write_report
+
+    prepare_data(cfg)
+    grid, failed = cells(cfg), []
+    for i, cell in enumerate(grid):
+        _say(f"cell {i + 1}/{len(grid)}: {cell.title}")
+        if not run_cell(cfg, cell):
+            failed.append(cell)
+    write_report(cfg)
+    for cell in failed:
+        _say(f"{cell.title}: failed, see {cell.dir / 'failed.json'}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.study", description=__doc__.splitlines()[0],
+                                     usage="%(prog)s --config FILE [--cells | --stage STAGE [--cell I]] [section.key=value ...]")
+    parser.add_argument("--config", help="study config (configs/study/*.yaml)")
+    parser.add_argument("--cells", action="store_true", help="print the number of cells and exit")
+    parser.add_argument("--stage", choices=("data", "pretrain", "downstream", "report"), help="run one part only")
+    parser.add_argument("--cell", type=int, help="the cell (0-based, variant-major) of --stage pretrain|downstream")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(StudyConfig, args.config, overrides)
+        check_study(cfg)
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    grid = cells(cfg)
+    if args.cells:
+        print(len(grid))
+        return 0
+    if args.stage in ("pretrain", "downstream"):
+        if args.cell is None or not 0 <= args.cell < len(grid):
+            parser.exit(2, f"{parser.prog}: error: --stage {args.stage} needs --cell in 0..{len(grid) - 1}\n")
+        return 0 if run_cell(cfg, grid[args.cell], (args.stage,)) else 1
+    if args.stage == "data":
+        prepare_data(cfg)
+        return 0
+    if args.stage == "report":
+        from pretrain.study_report import write_report
+
+        write_report(cfg)
+        return 0
+    return run_study(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
