@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: setup test demo bench
+.PHONY: setup test demo bench study
 
 setup: $(STAMP)
 
@@ -16,6 +16,9 @@ test: setup
 
 demo: setup
 	$(PY) -m pretrain.demo
+
+study: setup
+	$(PY) -m pretrain.study --config configs/study/cpu.yaml
 
 bench: setup
 	$(PY) -m bench.model
