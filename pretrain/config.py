@@ -91,7 +91,8 @@ class TrainConfig:
     min_lr: float = 0.0  # cosine floor
     grad_clip: float = 1.0  # global-norm clipping (0: off)
     max_skipped_steps: int = 10  # non-finite losses tolerated before the run stops
-    activation_checkpointing: bool = False  # recompute layer activations in backward: less memory, ~1/3 more compute
+    activation_checkpointing: str = "none"  # none, full (layers) or selective (core attention); true/false = full/none
+    compile: bool = False  # torch.compile each encoder and decoder layer
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Each mixer's forward against a plain per-head reference written from the paper's formulas
-(masks, slicing to n < N, factorized tile/repeat), and mixer-name validation."""
+"""Each mixer's forward, through SDPA and through materialised logits, against a plain per-head reference
+written from the paper's formulas (masks, slicing to n < N, factorized tile/repeat), and mixer-name validation."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,15 +60,16 @@ VARIANTS = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "f
             "random+vanilla", "dense+vanilla", "random+dense", "factorized_random+vanilla+dense"]
 
 
+@pytest.mark.parametrize("sdpa", [True, False])
 @pytest.mark.parametrize(
     "spec, per_head", [(v, False) for v in VARIANTS] + [(v, True) for v in VARIANTS if "+" in v]
 )
-def test_mixer_matches_paper_formula(spec, per_head):
+def test_mixer_matches_paper_formula(spec, per_head, sdpa):
     init_single_process()
     torch.manual_seed(0)
     mixers = parse_mixers(spec)
     cfg = dataclasses.replace(CFG, mixture_per_head=per_head)
-    attn = SelfAttention(cfg, mixers, ModelParallelConfig(use_cpu_initialization=True), 0, 1).eval()
+    attn = SelfAttention(cfg, mixers, ModelParallelConfig(use_cpu_initialization=True), 0, 1, sdpa=sdpa).eval()
     with torch.no_grad():  # non-trivial mixture weights and biases
         for name, p in attn.named_parameters():
             if name.endswith(("mix", "b2", "ba", "bb", "bias")):

@@ -167,7 +167,11 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
 
 
 def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, target_length: int) -> dict:
-    """Fixed-shape batch tensors; decoder inputs are the targets shifted right, starting with pad 0."""
+    """Fixed-shape batch tensors; decoder inputs are the targets shifted right, starting with pad 0.
+
+    `attention_mask` / `decoder_attention_mask` are present only when some input / target is padded: the model
+    reads a missing mask as "nothing padded", so it never has to check a mask on the device (a host sync).
+    """
     b = len(pairs)
     input_ids = np.zeros((b, input_length), np.int64)
     labels = np.full((b, target_length), IGNORE_INDEX, np.int64)
@@ -176,13 +180,17 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, targe
         labels[i, : len(targets)] = targets
     decoder_input_ids = np.zeros_like(labels)
     decoder_input_ids[:, 1:] = np.maximum(labels[:, :-1], 0)  # padding (-100) becomes pad id 0
-    return {
+    batch = {
         "input_ids": torch.from_numpy(input_ids),  # [b, input_length]
-        "attention_mask": torch.from_numpy((input_ids != 0).astype(np.int64)),
         "decoder_input_ids": torch.from_numpy(decoder_input_ids),  # [b, target_length]
         "labels": torch.from_numpy(labels),
-        "decoder_attention_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.int64)),
     }
+    keep, keep_targets = input_ids != 0, labels != IGNORE_INDEX
+    if not keep.all():
+        batch["attention_mask"] = torch.from_numpy(keep.astype(np.int64))
+    if not keep_targets.all():
+        batch["decoder_attention_mask"] = torch.from_numpy(keep_targets.astype(np.int64))
+    return batch
 
 
 def batches(spec: StreamSpec, stream: int, position: dict) -> Iterator[dict]:

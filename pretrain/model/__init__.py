@@ -12,7 +12,7 @@ from pretrain.config import ModelConfig
 from pretrain.model.attention import MIXERS, parse_mixers
 from pretrain.model.generation import generate_greedy
 from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
-from pretrain.model.t5 import IGNORE_INDEX, T5Model, T5Output, vocab_parallel_argmax
+from pretrain.model.t5 import IGNORE_INDEX, T5Model, T5Output, checkpointing_mode, vocab_parallel_argmax
 from pretrain.parallel import check_parallel, init_single_process
 
 __all__ = [
@@ -36,11 +36,14 @@ def check_model(cfg: ModelConfig, tp: int = 1) -> None:
     check_parallel(cfg, tp, tp)
 
 
-def build_model(cfg: ModelConfig, activation_checkpointing: bool = False) -> T5Model:
+def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none", compile: bool = False,
+                sdpa: bool | None = None) -> T5Model:
     """The model for this rank (its TP shard), on CPU in fp32, from megatron's parallel state.
 
     Every rank draws the full weights from torch's global RNG and keeps its slice, so TP=N and TP=1 start
-    as the same function given the same `torch.manual_seed`.
+    as the same function given the same `torch.manual_seed`. activation_checkpointing: none, full or
+    selective (true/false: full/none); compile: torch.compile each encoder and decoder layer; sdpa: None picks
+    SDPA or materialised logits for vanilla attention by device, True / False force one (see attention.py).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs init_distributed() first (or use build_local_model)")
@@ -49,7 +52,11 @@ def build_model(cfg: ModelConfig, activation_checkpointing: bool = False) -> T5M
     mp_config = ModelParallelConfig(
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
     )
-    return T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp, activation_checkpointing)
+    model = T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp,
+                    checkpointing_mode(activation_checkpointing), sdpa)
+    if compile:
+        model.compile_layers()
+    return model
 
 
 def build_local_model(cfg: ModelConfig) -> T5Model:

@@ -6,6 +6,17 @@ softmax(learned weights) (one vector per layer, or per head); then the relative 
 additive masks are added, softmax, dropout, times the per-head values, and the row-parallel output
 projection (all-reduce over TP). Heads are split over TP: Q/K/V columns, synthesizer parameters, bias
 rows and per-head mixture weights live only on their rank.
+
+Two implementations of that core, equal within float rounding. SDPA: a layer with a `vanilla` mixer calls
+`F.scaled_dot_product_attention` with everything that is not Q K^T (relative bias, masks, weighted
+synthesized logits) as a float `attn_mask` that gets a gradient, and the mixture weight of `vanilla` folded
+into Q; on CUDA that runs the memory-efficient kernel (probabilities never stored, the bias differentiated).
+Materialised: the logits and an fp32 softmax are built explicitly, which also allows the batch-shared
+softmax of input-independent mixers; always so for layers without `vanilla`. `sdpa=None` (default) takes
+SDPA on CUDA and wherever the mask needs no gradient, and materialised logits for CPU training, where SDPA
+with a differentiable mask falls back to a slower math path; True / False force one (tests, benchmarks).
+`recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
+storing its activations (Megatron's selective recompute).
 """
 from __future__ import annotations
 
@@ -79,12 +90,22 @@ class RelativePositionBias(nn.Module):
         return self.weight[:, self._bucket(k - q)][None]  # [1, heads/tp, n, m]
 
 
+def _softmax(logits: torch.Tensor, additive: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(logits + additive) in at least fp32 (bf16 logits lose the small differences that decide the
+    weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel."""
+    wide = torch.promote_types(dtype, torch.float32)
+    return torch.softmax((logits + additive).to(wide), dim=-1).to(dtype)
+
+
 class SelfAttention(nn.Module):
     """Self-attention whose logits are a softmax-weighted mixture of the configured mixers."""
 
-    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], mp_config, tp_rank: int, tp: int) -> None:
+    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], mp_config, tp_rank: int, tp: int,
+                 sdpa: bool | None = None, recompute: bool = False) -> None:
         super().__init__()
         self.mixers = mixers
+        self.sdpa = sdpa if "vanilla" in mixers else False  # None: by device, see the module docstring
+        self.recompute = recompute  # selective activation recompute of the core (logits, softmax, @ V)
         self.d_kv = cfg.d_kv
         self.heads = cfg.num_heads // tp
         self.dropout = cfg.dropout
@@ -143,15 +164,32 @@ class SelfAttention(nn.Module):
             cache["len"] = start + n
         m = v.shape[2]
         additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, m]
-        training_dropout = self.dropout if self.training else 0.0
-        with _fork_tp_rng(training_dropout > 0):
-            # a bias that needs a gradient sends SDPA to its unfused path, which also scales Q and K by 1.0
-            if self.mixers == ("vanilla",) and not additive.requires_grad:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=training_dropout, scale=1.0)
-            else:
-                out = self._mixed(x, q, k, v, additive, start, m, training_dropout)
+        p = self.dropout if self.training else 0.0
+        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not additive.requires_grad
+        core = self._fused if sdpa else self._mixed
+
+        def run(x, q, k, v, additive):
+            with _fork_tp_rng(p > 0):
+                return core(x, q, k, v, additive, start, m, p)  # [b, heads/tp, n, d_kv]
+
+        if self.recompute and self.training:
+            # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
+            out = tensor_parallel.checkpoint(run, False, x, q, k, v, additive)
+        else:
+            out = run(x, q, k, v, additive)
         out = out.transpose(1, 2).reshape(b, n, -1)  # [b, n, heads/tp * d_kv]
         return self.o(out)[0]  # fwd: all-reduce over TP
+
+    def _fused(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
+        # softmax(a_v Q K^T + sum_i a_i S_i + additive) V = SDPA(a_v Q, K, V, attn_mask = sum_i a_i S_i + additive)
+        alpha = self._alpha() if len(self.mixers) > 1 else None
+        for i, name in enumerate(self.mixers):
+            weight = None if alpha is None else alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None]
+            if name == "vanilla":
+                q = q if weight is None else q * weight.to(q.dtype)
+            else:  # a layer with vanilla and a synthesizer is a mixture: weight is set
+                additive = additive + weight * self.synth[name](x, start, m)  # [b|1, heads/tp, n, m]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive.to(q.dtype), dropout_p=p, scale=1.0)
 
     def _mixed(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
         alpha = self._alpha() if len(self.mixers) > 1 else None
@@ -160,9 +198,7 @@ class SelfAttention(nn.Module):
             s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](x, start, m)  # [b|1, h/tp, n, m]
             s = s if alpha is None else s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = s if logits is None else logits + s
-        # softmax in at least fp32 (bf16 logits lose the small differences that decide the weights)
-        wide = torch.promote_types(v.dtype, torch.float32)
-        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)  # [b|1, heads/tp, n, m]
+        probs = _softmax(logits, additive, v.dtype)  # [b|1, heads/tp, n, m]
         b, h, _, d_kv = v.shape
         if probs.shape[0] == 1 and b > 1 and p == 0:
             # input-independent logits and no padding: one softmax (and its backward) for the whole batch,

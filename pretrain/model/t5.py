@@ -70,10 +70,11 @@ class GatedFFN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], is_decoder: bool, mp_config, tp_rank: int, tp: int):
+    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], is_decoder: bool, mp_config, tp_rank: int, tp: int,
+                 sdpa: bool | None, recompute_attention: bool):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp)
+        self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp, sdpa, recompute_attention)
         if is_decoder:
             self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
             self.cross = CrossAttention(cfg, mp_config, tp)
@@ -98,13 +99,15 @@ class Stack(nn.Module):
     """Encoder or decoder: relative bias computed once and shared by all layers, final RMSNorm."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int, mixers: tuple[str, ...], is_decoder: bool,
-                 mp_config, tp_rank: int, tp: int, activation_checkpointing: bool) -> None:
+                 mp_config, tp_rank: int, tp: int, activation_checkpointing: str, sdpa: bool | None) -> None:
         super().__init__()
         self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
-        self.layers = nn.ModuleList(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp) for _ in range(num_layers))
+        selective = activation_checkpointing == "selective"
+        self.layers = nn.ModuleList(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp, sdpa, selective)
+                                    for _ in range(num_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.dropout = cfg.dropout
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = activation_checkpointing == "full"  # whole layers
 
     def forward(self, h, mask, memory=None, memory_mask=None, caches: list[dict] | None = None) -> torch.Tensor:
         start = caches[0].get("len", 0) if caches else 0
@@ -125,10 +128,22 @@ class Stack(nn.Module):
         return F.dropout(self.final_norm(h), p)
 
 
-def padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """[b, m] of 1 (keep) / 0 (pad) -> additive [b, 1, 1, m]; None when nothing is padded (pretraining batches
-    after span corruption), which keeps attention logits shared across the batch where the mixer allows."""
-    if bool(mask.all()):
+CHECKPOINTING = ("none", "full", "selective")
+
+
+def checkpointing_mode(value: str | bool) -> str:
+    """train.activation_checkpointing -> none | full | selective; true / false (older configs) mean full / none."""
+    mode = {"true": "full", "false": "none"}.get(str(value).lower(), str(value).lower())
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"train.activation_checkpointing '{value}' must be one of {', '.join(CHECKPOINTING)}")
+    return mode
+
+
+def padding_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[b, m] of 1 (keep) / 0 (pad) -> additive [b, 1, 1, m]. None means nothing is padded: the collator leaves
+    the mask out of unpadded batches (pretraining after span corruption), which keeps attention logits shared
+    across the batch where the mixer allows, without reading the mask on the host (a device sync)."""
+    if mask is None:
         return None
     additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=dtype, device=mask.device)
     return additive.masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
@@ -139,13 +154,15 @@ def causal_mask(n: int, start: int, pad: torch.Tensor | None, dtype: torch.dtype
     keys = torch.arange(start + n, device=device)
     allowed = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]  # [n, start + n]
     allowed = allowed[None, None]
-    if pad is not None and not bool(pad.all()):
+    if pad is not None:
         allowed = allowed & (pad[:, None, None, :] != 0)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class T5Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, mp_config, tp_rank: int, tp: int, activation_checkpointing: bool) -> None:
+    def __init__(self, cfg: ModelConfig, mp_config, tp_rank: int, tp: int, activation_checkpointing: str = "none",
+                 sdpa: bool | None = None) -> None:
+        """activation_checkpointing: none, full (whole layers) or selective (core attention); sdpa: see attention.py."""
         super().__init__()
         self.config = cfg
         self.mixers = {
@@ -157,19 +174,19 @@ class T5Model(nn.Module):
             cfg.vocab_size, cfg.d_model, config=mp_config, init_method=lambda w: nn.init.normal_(w, 0.0, f)
         )
         self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
-                             activation_checkpointing)
+                             activation_checkpointing, sdpa)
         self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank, tp,
-                             activation_checkpointing)
+                             activation_checkpointing, sdpa)
         self.lm_head = ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, config=mp_config, bias=False, gather_output=False,
             init_method=lambda w: nn.init.normal_(w, 0.0, f),
         )
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids)  # [b, n, d]
         return self.encoder(h, padding_mask(attention_mask, h.dtype))
 
-    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor,
+    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor | None,
                decoder_attention_mask: torch.Tensor | None = None, caches: list[dict] | None = None) -> torch.Tensor:
         """Logits [b, m, vocab/tp]; with `caches` (one dict per layer) the ids are the next positions only."""
         h = self.embed(decoder_input_ids)  # [b, m, d]
@@ -178,8 +195,12 @@ class T5Model(nn.Module):
         h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
         return self.lm_head(h)[0]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None) -> T5Output:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_attention_mask: torch.Tensor | None = None) -> T5Output:
+        """Masks [b, n] / [b, m] of 1 (keep) / 0 (pad); None: nothing padded (batches of the pretraining collator)."""
+        if decoder_input_ids is None:
+            raise ValueError("T5Model needs decoder_input_ids (the targets shifted right)")
         memory = self.encode(input_ids, attention_mask)
         logits = self.decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask)
         if labels is None:
@@ -189,6 +210,13 @@ class T5Model(nn.Module):
         num_tokens = valid.sum()
         loss = (losses * valid).sum() / num_tokens.clamp(min=1)
         return T5Output(loss, logits, num_tokens)
+
+    def compile_layers(self) -> None:
+        """torch.compile each encoder and decoder layer in place (parameter names unchanged): the elementwise
+        chains (bias + mask + softmax, gated GELU, RMSNorm, residual adds) fuse; embedding, loss and the
+        per-stack bias stay eager."""
+        for layer in [*self.encoder.layers, *self.decoder.layers]:
+            layer.compile()
 
     def mixture_weights(self) -> dict[str, torch.Tensor]:
         """{"encoder.layers.3": softmax weights [k] or [heads, k]} in the order of `self.mixers[stack]`.
