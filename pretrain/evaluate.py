@@ -1,16 +1,19 @@
 """Evaluation of a text-to-text model on a task: greedy generation (cached) and rank classification over the
 label words, the official metrics, `results.json`, a Markdown table, TensorBoard and submission files.
 
-    python -m pretrain.evaluate --export OUT --task sst2 --data DIR --output RUN [--batch 32]
+    python -m pretrain.evaluate --export OUT --task sst2 --data DIR --output RUN [--batch 32] [--device cuda]
 
 Library use (any TP; every rank of a job calls together, each DP rank scores its slice): `predict`, then
 `evaluate_task`, which scores the validation files, predicts the test files and returns
 `{"sst2": {"accuracy": ..., "accuracy_rank": ...}}`. Metrics of greedy generation carry the plain names (T5's
-protocol); those of rank classification end in `_rank`.
+protocol); those of rank classification end in `_rank`. Inputs go to the model's device. DP ranks run the same
+number of forwards (ZeRO-3 gathers parameters in each): slices are padded to equal length and greedy decoding
+stops on all ranks together. Inputs longer than a synthesized encoder's `model.max_length` are truncated.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -21,7 +24,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from pretrain.config import ModelConfig
 from pretrain.model import T5Model, generate_greedy
+from pretrain.model.attention import parse_mixers
+from pretrain.model.generation import to_host
+from pretrain.progress import progress
 from pretrain.tasks import Example, Task, get_task
 from pretrain.tasks.metrics import score
 from pretrain.tasks.submission import write_submission
@@ -36,6 +43,24 @@ METHODS = ("generate", "rank", "both")
 class Encoded:
     input_ids: torch.Tensor  # [b, n] padded with 0, EOS-terminated
     attention_mask: torch.Tensor  # [b, n]
+
+    def to(self, device: torch.device) -> Encoded:
+        return Encoded(self.input_ids.to(device), self.attention_mask.to(device))
+
+
+def input_limit(model_cfg: ModelConfig, requested: int) -> int:
+    """`requested` input length, capped at `model.max_length` when the encoder synthesizes attention (its N x N
+    logits cannot cover longer inputs); the cap is logged once."""
+    if set(parse_mixers(model_cfg.encoder_attention)) == {"vanilla"} or requested <= model_cfg.max_length:
+        return requested
+    _log_cap(requested, model_cfg.max_length)
+    return model_cfg.max_length
+
+
+@functools.cache
+def _log_cap(requested: int, limit: int) -> None:
+    log.info("inputs are truncated to %d tokens, the model.max_length of its synthesized encoder attention "
+             "(%d requested)", limit, requested)
 
 
 def encode_inputs(tokenizer: Tokenizer, texts: Sequence[str], max_length: int) -> Encoded:
@@ -60,11 +85,13 @@ def _to_class(task: Task, text: str) -> int | float:
 
 
 @torch.no_grad()
-def _generate(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> list:
+def _generate(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded,
+              group: dist.ProcessGroup | None) -> list:
     # room for the longest label word and its EOS: a longer answer is wrong whatever it says
     max_new = max(len(ids) for ids in tokenizer.encode_batch(list(task.label_words))) + 1
-    ids = generate_greedy(model, batch.input_ids, batch.attention_mask, max_new, eos_id=tokenizer.eos_id, use_cache=True)
-    return [_to_class(task, tokenizer.decode(row.tolist())) for row in ids]
+    ids = generate_greedy(model, batch.input_ids, batch.attention_mask, max_new, eos_id=tokenizer.eos_id,
+                          use_cache=True, group=group)
+    return [_to_class(task, tokenizer.decode(row.tolist())) for row in to_host(ids)]
 
 
 @torch.no_grad()
@@ -75,8 +102,9 @@ def _rank(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> l
     labels = torch.zeros(k, width, dtype=torch.long)
     for i, w in enumerate(words):
         labels[i, : len(w)] = torch.tensor(w)
+    labels = labels.to(batch.input_ids.device)
     valid = labels != tokenizer.pad_id  # [k, m]
-    decoder_in = torch.cat([torch.zeros(k, 1, dtype=torch.long), labels[:, :-1]], dim=1)  # shift right, start 0
+    decoder_in = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)  # shift right, start 0
     memory = model.encode(batch.input_ids, batch.attention_mask)  # [b, n, d]
     # every example against every label word: [b * k] rows, the encoder run once per example
     memory = memory.repeat_interleave(k, dim=0)
@@ -84,22 +112,28 @@ def _rank(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> l
     logits = model.decode(decoder_in.repeat(b, 1), memory, mask)  # [b*k, m, V/tp]
     nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.repeat(b, 1))  # [b*k, m]
     scores = -(nll * valid.repeat(b, 1)).sum(dim=1).view(b, k)
-    best = scores.argmax(dim=1).tolist()
+    best = to_host(scores.argmax(dim=1)).tolist()
     return [float(task.label_words[i]) if task.regression else i for i in best]
 
 
 def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence[Example], method: str,
-            batch_size: int, max_input_length: int) -> dict[str, list]:
-    """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1)."""
+            batch_size: int, max_input_length: int, group: dist.ProcessGroup | None = None) -> dict[str, list]:
+    """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1).
+    With `group`, its ranks (holding equally many examples) decode in lockstep."""
     if method not in METHODS:
         raise ValueError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
+    max_input_length = input_limit(model.config, max_input_length)
     out: dict[str, list] = {m: [] for m in ("generate", "rank") if method in (m, "both")}
-    for start in range(0, len(examples), batch_size):
-        batch = encode_inputs(tokenizer, [e.inputs for e in examples[start : start + batch_size]], max_input_length)
+    starts = range(0, len(examples), batch_size)
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    for start in progress(starts, len(starts), f"{task.name} {method}: batches", enabled=first_rank):
+        texts = [e.inputs for e in examples[start : start + batch_size]]
+        batch = encode_inputs(tokenizer, texts, max_input_length).to(device)
         if "generate" in out:
-            out["generate"] += _generate(model, tokenizer, task, batch)
+            out["generate"] += _generate(model, tokenizer, task, batch, group)
         if "rank" in out:
             out["rank"] += _rank(model, tokenizer, task, batch)
     model.train(was_training)
@@ -107,10 +141,13 @@ def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence
 
 
 def _dp_slice(examples: Sequence[Example]) -> tuple[list[Example], int, int]:
+    """(this DP rank's examples r, r + size, ..., padded with copies of the first example so that every rank holds
+    ceil(n / size); how many are real; the DP size)."""
     if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
-        return list(examples), 0, 1
+        return list(examples), len(examples), 1
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    return list(examples[rank::size]), rank, size
+    mine = list(examples[rank::size])
+    return mine + list(examples[:1]) * (-(-len(examples) // size) - len(mine)), len(mine), size
 
 
 def _gather(preds: dict[str, list], size: int) -> dict[str, list]:
@@ -137,8 +174,10 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
                 continue
             examples = task.read(folder, file, labelled)
             examples = examples[:limit] if limit else examples
-            mine, _, size = _dp_slice(examples)
-            preds = _gather(predict(model, tokenizer, task, mine, method, batch_size, max_input_length), size)
+            mine, real, size = _dp_slice(examples)
+            group = parallel_state.get_data_parallel_group() if size > 1 else None
+            mine_preds = predict(model, tokenizer, task, mine, method, batch_size, max_input_length, group)
+            preds = _gather({m: p[:real] for m, p in mine_preds.items()}, size)
             if labelled:
                 scores = {}
                 for m, p in preds.items():
@@ -184,8 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="folder for results.json, results.md, submission/")
     parser.add_argument("--method", default="both", choices=METHODS)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--max-input-length", type=int, default=512)
+    parser.add_argument("--max-input-length", type=int, default=512,
+                        help="tokens per input including EOS (capped at model.max_length of a synthesized encoder)")
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples of each file")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs: cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
@@ -193,10 +235,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-input-length must be at least 2 (a token and EOS), got {args.max_input_length}")
     if args.limit < 0:
         parser.error(f"--limit must be 0 (all) or positive, got {args.limit}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device '{args.device}' is not a device (cpu, cuda, cuda:1)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available here; use --device cpu")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         task, out = get_task(args.task), Path(args.output)
-        model, tokenizer = load_pretrained(args.export), Tokenizer(Path(args.export) / "spiece.model")
+        model, tokenizer = load_pretrained(args.export).to(device), Tokenizer(Path(args.export) / "spiece.model")
         results = evaluate_task(model, tokenizer, task, args.data, args.method, args.batch, args.max_input_length,
                                 args.limit, out / "submission")
     except ValueError as e:
