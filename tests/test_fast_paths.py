@@ -129,14 +129,17 @@ def test_checkpointing_mode_accepts_old_booleans():
 
 
 def test_compiled_layers_equal_eager():
-    # one model covers both asked-for variants (vanilla encoder, random+vanilla decoder): compiling is slow
+    # one model of one layer per stack covers both asked-for variants (vanilla encoder, random+vanilla
+    # decoder): compiling is slow. float64 (inductor's C++ kernels support it): the comparison checks the
+    # compiled graphs, not fp32 summation order (the mixture weight's gradient cancels, see above)
     init_single_process()
-    cfg = dataclasses.replace(CFG, decoder_attention="random+vanilla")
+    cfg = dataclasses.replace(CFG, decoder_attention="random+vanilla", num_layers=1, num_decoder_layers=1)
     ids, _, dec, labels, _ = _batch(padded=False)
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = build_model(cfg, compile=compiled)
+        model = build_model(cfg, compile=compiled).double()  # compiled lazily, at the first call
         results.append(_run(model, ids, None, dec, labels, None))
     assert build_local_model(cfg).state_dict().keys() == model.state_dict().keys()  # names unchanged
-    _assert_same(results[1], results[0], rtol=1e-5, atol=1e-6)
+    assert all(layer._compiled_call_impl is not None for layer in [*model.encoder.layers, *model.decoder.layers])
+    _assert_same(results[1], results[0])
