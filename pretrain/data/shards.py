@@ -22,7 +22,6 @@ import itertools
 import json
 import logging
 import os
-import urllib.request
 import zlib
 from pathlib import Path
 from typing import IO, Iterator
@@ -31,6 +30,8 @@ import braceexpand
 import numpy as np
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
+
+from pretrain.data.remote import open_http
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def expand_shards(spec: str) -> list[str]:
 def open_shard(url: str) -> IO[bytes]:
     """A byte stream of one shard: local path, http(s) (Python's own client, no curl needed), or `pipe:`."""
     if url.startswith(("http://", "https://")):
-        return urllib.request.urlopen(url, timeout=60)
+        return open_http(url)  # retries transient failures; credentials stay out of messages
     return gopen(url, "rb")
 
 
@@ -145,7 +146,7 @@ def read_index(spec: str) -> dict | None:
     """index.json beside the shards of a spec: a local folder or an http(s) base URL (None when absent)."""
     if spec.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(spec.rsplit("/", 1)[0] + "/" + INDEX, timeout=60) as f:
+            with open_http(spec.rsplit("/", 1)[0] + "/" + INDEX) as f:
                 return json.loads(f.read())
         except (OSError, ValueError):
             return None
