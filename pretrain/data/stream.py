@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from pretrain.data.remote import redact
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
 
@@ -92,7 +93,7 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
     if errors or (expected is not None and n < expected):
         damaged[0] += 1
         why = str(errors[0]).splitlines()[0][:200] if errors else f"it ended after {n} of {expected} documents"
-        log.warning("skipping the rest of damaged shard %s: %s", url, why)
+        log.warning("skipping the rest of damaged shard %s: %s", redact(url), redact(why))
 
 
 def _with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
