@@ -56,7 +56,11 @@ def _section(value: ast.expr | None) -> str | None:
 
 def _default(value: ast.expr | None) -> str:
     if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "field":
-        value = next((kw.value for kw in value.keywords if kw.arg == "default"), None)
+        keywords = {kw.arg: kw.value for kw in value.keywords}
+        if "default_factory" in keywords:  # list, dict, tuple: shown as the empty literal
+            name = ast.unparse(keywords["default_factory"])
+            return {"list": "[]", "dict": "{}", "tuple": "()"}.get(name, f"{name}()")
+        value = keywords.get("default")
     return "(required)" if value is None else ast.unparse(value)
 
 
@@ -87,7 +91,7 @@ def help_text(schema: str, prog: str) -> str:
     width = max(len(f"{k.name}={k.default}") for k in keys) + 2
     lines = [f"usage: python -m {prog} [-h] [--config FILE] [section.key=value ...]", "",
              doc.split("\n\n")[0], "",
-             "A setting is the dataclass default, else the YAML file's value, else the override's (the last wins).",
+             "Each key takes its default, then the value in --config FILE, then a section.key=value override.",
              "", "options:",
              f"  {'-h, --help':<{width}}show this help and exit",
              f"  {'--config FILE':<{width}}YAML file of sections, e.g. configs/tiny.yaml (also --config=FILE)",
