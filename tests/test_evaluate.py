@@ -1,6 +1,7 @@
 """Evaluation as jobs run it: inputs follow the model's device (checked on the meta device, where a tensor left
 on the CPU raises), DP 2 under ZeRO-3 with a dev set that splits unevenly gives the same predictions as one
-process, and inputs beyond a synthesized encoder's max_length are truncated (said once) instead of failing."""
+process, inputs beyond a synthesized encoder's max_length are truncated (said once) instead of failing, and
+progress is logged."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,7 +64,7 @@ def test_evaluate_job_runs_on_the_requested_device(tmp_path, tokenizer_model):
 
 
 def test_synthesized_encoder_truncates_long_inputs_once(tmp_path, tokenizer_model, caplog):
-    caplog.set_level(logging.INFO, logger="pretrain.evaluate")
+    caplog.set_level(logging.INFO, logger="pretrain")
     cfg = dataclasses.replace(CFG, encoder_attention="dense+vanilla")
     assert input_limit(dataclasses.replace(cfg, encoder_attention="vanilla"), 128) == 128  # vanilla has no limit
     model, tokenizer, task = eos_happy_model(cfg), Tokenizer(tokenizer_model), get_task("sst2")
@@ -72,6 +73,8 @@ def test_synthesized_encoder_truncates_long_inputs_once(tmp_path, tokenizer_mode
     capped = predict(model, tokenizer, task, examples, "both", batch_size=2, max_input_length=128)
     again = predict(model, tokenizer, task, examples, "both", batch_size=2, max_input_length=128)
     assert capped == again == predict(model, tokenizer, task, examples, "both", 2, max_input_length=CFG.max_length)
+    assert [r.getMessage()[:36] for r in caplog.records if r.name == "pretrain.progress"][:2] == [
+        "sst2 both: batches:   0%|          |", "sst2 both: batches: 100%|##########|"]  # 3 batches, progress
     said = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
     assert said == ["inputs are truncated to 16 tokens, the model.max_length of its synthesized encoder attention "
                     "(128 requested)"]
