@@ -1,26 +1,34 @@
 """Export a training checkpoint to one folder that HuggingFace and our downstream jobs load, and load it back.
 
-    python -m pretrain.export --run RUN_DIR --output OUT [--step N] [--dtype fp32|bf16]
+    python -m pretrain.export --run RUN_DIR --output OUT [--step N] [--dtype fp32|bf16] [--max-shard-size 5GB]
 
-Input: `RUN_DIR/checkpoints/step_N/` (default: the tag named by `checkpoints/latest`) in DeepSpeed's sharded
-layout at any TP, any ZeRO stage and any number of ranks. Each TP rank's fp32 weights are rebuilt from its ZeRO
-shards by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (run on a view holding only that TP rank's
-files, since the tool itself knows no TP), then the TP shards are concatenated as megatron's attributes on the
-TP=1 model say (`partition_dim`, `partition_stride`).
+Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one is refused) in
+DeepSpeed's sharded layout at any TP, any ZeRO stage and any number of ranks. Each TP rank's fp32 weights are
+rebuilt from its ZeRO shards by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (run on a view holding
+only that TP rank's files, since the tool itself knows no TP), then the TP shards are concatenated as megatron's
+attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every file is unpickled with
+`weights_only=True`, DeepSpeed's own reads included: a checkpoint file that would run code is refused.
 
-Output (written to OUT.tmp, renamed to OUT only when complete): `model.safetensors` in HuggingFace's T5 names,
-`config.json` (HF's T5Config plus `synthesizer`: our model config and the learned mixture weights),
-`spiece.model`, `tokenizer.json` and `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). A
-Synthesizer model keeps the HF layout for everything T5 has; its extra parameters (`mix`, `synth.*`) sit under
-the HF self-attention module (`encoder.block.3.layer.0.SelfAttention.synth.random.r`) and a layer without
-dot-product attention has only `SelfAttention.v`.
+Output (written to OUT.tmp, renamed to OUT only when complete): the weights in HuggingFace's T5 names as
+`model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
+`model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
+mixture weights, the source checkpoint); `generation_config.json`; `README.md` (the model card); `spiece.model`,
+`tokenizer.json` and `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
+HF T5 (model_type "t5"). A Synthesizer model is model_type "synthesizer_t5" with `auto_map` and the remote code
+of `pretrain/model/hf_synthesizer/` copied in, so `AutoModelForSeq2SeqLM.from_pretrained(OUT,
+trust_remote_code=True)` runs it (and without trust_remote_code transformers refuses it); its extra parameters
+(`mix`, `synth.*`) sit under the HF self-attention module (`encoder.block.3.layer.0.SelfAttention.synth.random.r`)
+and a layer without dot-product attention has no `q`, `k`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -28,101 +36,117 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig
 
-from pretrain.config import ModelConfig
+from pretrain.checkpoint import check_complete, complete_steps, tag_for
+from pretrain.config import ModelConfig, UsageError
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+from pretrain.model_card import model_card
+from pretrain.progress import progress
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, CONFIG, SPIECE = "model.safetensors", "config.json", "spiece.model"
+WEIGHTS, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+SPIECE, CARD = "spiece.model", "README.md"
+MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default split (transformers 5's save_pretrained says 50GB: xxl in one file)
+REMOTE_CODE_DIR = Path(__file__).parent / "model" / "hf_synthesizer"
+REMOTE_CODE = ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py")
+_CREDENTIALS = re.compile(r"//[^/@\s]*@")  # user:password@ in a shard URL
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.attn\.(.+)$")
 _HF_LAYER = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.(.+)$")
 _MP_RANK = re.compile(r"mp_rank_(\d+)_")
-_DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, partial or damaged; the message names the missing part."""
+class CheckpointError(UsageError):
+    """A checkpoint that is missing, incomplete or damaged; the message names the missing part."""
 
 
 # --------------------------------------------------------------------------------------------------------
 # Reading a training checkpoint
 # --------------------------------------------------------------------------------------------------------
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
+    """step_N, or the newest complete checkpoint; an incomplete one (no completion marker, a file missing or
+    cut) is refused, naming what is missing."""
     root = run_dir / "checkpoints"
+    complete = complete_steps(root)
     if step is None:
-        latest = root / "latest"
-        if not latest.is_file():
-            raise CheckpointError(f"{latest} not found: {run_dir} has no complete checkpoint; pass --step N")
-        path = root / latest.read_text().strip()
-    else:
-        path = root / f"step_{step}"
+        if not complete:
+            raise CheckpointError(f"{run_dir} has no complete checkpoint in {root}")
+        step = complete[-1]
+    path = root / tag_for(step)
     if not path.is_dir():
-        tags = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
-        raise CheckpointError(f"checkpoint {path} not found; available: {', '.join(tags) or 'none'}")
-    for part in ("config.yaml", "trainer_state.json"):
-        if not (path / part).is_file():
-            raise CheckpointError(f"{path} is partial: {part} is missing (the save did not finish)")
+        available = ", ".join(tag_for(s) for s in complete) or "none"
+        raise CheckpointError(f"checkpoint {path} not found; complete ones: {available}")
+    try:
+        check_complete(path)
+    except UsageError as e:
+        raise CheckpointError(str(e)) from None
     return path
 
 
-def _load(file: Path) -> dict:
+@contextlib.contextmanager
+def _weights_only():
+    """Every torch.load inside, DeepSpeed's own included (it asks for weights_only=False), unpickles with
+    weights_only=True: tensors, plain containers and DeepSpeed's bookkeeping classes below, nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or overwritten file: torch raises various types
+        with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]):
+            yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def _check_loads(file: Path) -> None:
+    """Name a damaged or foreign file here rather than deep inside DeepSpeed (mmap: nothing is copied)."""
+    try:
+        torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds objects that are not tensors or DeepSpeed's bookkeeping, so it is "
+                              f"not loaded ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # an overwritten file: torch raises various types
         raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
-def _dp_ranks(files: list[Path]) -> set[int]:
-    return {int(m.group(1)) for f in files if (m := _DP_RANK.search(f.name))}
-
-
-def _check_files(ckpt: Path, files: list[Path], mp: int, dp: int, zero: bool) -> None:
-    """Every file DeepSpeed writes for TP rank `mp` is there: the model states (one per DP rank under ZeRO-3,
-    else one) and, with a ZeRO optimizer, one optimizer shard per DP rank."""
-    model = [f for f in files if f.name.endswith("model_states.pt")]
-    optim = [f for f in files if f.name.endswith("optim_states.pt")]
-    if not model:
-        raise CheckpointError(f"{ckpt} is partial: the model states of TP rank {mp} (mp_rank_{mp:02d}) are missing")
-    # ZeRO-3 writes model states per DP rank too; a ZeRO optimizer (stage >= 1) one shard per DP rank
-    for kind, found, per_dp in (("model states", model, bool(_dp_ranks(model))), ("ZeRO optimizer shard", optim, zero)):
-        if per_dp:
-            missing = sorted(set(range(dp)) - _dp_ranks(found))
-            if missing:
-                raise CheckpointError(f"{ckpt} is partial: the {kind} of DP rank {missing[0]}, TP rank {mp} is missing")
-
-
 def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, torch.Tensor]:
-    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files."""
-    for f in files:
-        _load(f)  # name a damaged file here rather than deep inside DeepSpeed
-    if not any(f.name.endswith("optim_states.pt") for f in files):  # ZeRO stage 0: the module weights
-        return {k: v.float() for k, v in _load(files[0])["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with tempfile.TemporaryDirectory() as view:
-        (Path(view) / "tag").mkdir()
+    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files (loaded weights_only)."""
+    with _weights_only():
         for f in files:
-            (Path(view) / "tag" / f.name).symlink_to(f.resolve())
-        try:
-            state = get_fp32_state_dict_from_zero_checkpoint(view, tag="tag")
-        except (ValueError, FileNotFoundError) as e:
-            raise CheckpointError(f"{ckpt} TP rank {mp}: {str(e).splitlines()[0]}") from None
+            _check_loads(f)
+        if not any(f.name.endswith("optim_states.pt") for f in files):  # ZeRO stage 0: the module weights
+            module = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
+            return {k: v.float() for k, v in module.items()}
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with tempfile.TemporaryDirectory() as view:
+            (Path(view) / "tag").mkdir()
+            for f in files:
+                (Path(view) / "tag" / f.name).symlink_to(f.resolve())
+            try:
+                state = get_fp32_state_dict_from_zero_checkpoint(view, tag="tag")
+            except (ValueError, FileNotFoundError) as e:
+                raise CheckpointError(f"{ckpt} TP rank {mp}: {str(e).splitlines()[0]}") from None
     return {k: v.float() for k, v in state.items()}
 
 
-def read_checkpoint(ckpt: Path, model: T5Model, tp: int, dp: int) -> dict[str, torch.Tensor]:
-    """The full (TP=1) fp32 state dict of a checkpoint saved by TP x DP ranks, checked against `model`."""
+def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, torch.Tensor]:
+    """The full (TP=1) fp32 state dict of a checkpoint saved at TP `tp` (any DP), checked against `model`."""
     by_mp: dict[int, list[Path]] = {mp: [] for mp in range(tp)}
     for f in sorted(ckpt.glob("*mp_rank_*_states.pt")):
         by_mp.setdefault(int(_MP_RANK.search(f.name).group(1)), []).append(f)
-    zero = any(f.name.endswith("optim_states.pt") for files in by_mp.values() for f in files)
-    for mp in range(tp):
-        _check_files(ckpt, by_mp[mp], mp, dp, zero)
-    shards = [_tp_rank_state(ckpt, by_mp[mp], mp) for mp in range(tp)]
+    shards = [_tp_rank_state(ckpt, by_mp[mp], mp) for mp in progress(range(tp), desc=f"read {ckpt.name} TP ranks")]
     full = {}
     for name, param in model.named_parameters():
         missing = [mp for mp in range(tp) if name not in shards[mp]]
@@ -203,9 +227,39 @@ def write_tokenizer(spiece: Path, out: Path) -> None:
     T5Tokenizer.from_pretrained(str(out), extra_ids=100).save_pretrained(str(out))
 
 
+def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> None:
+    """One model.safetensors, or model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json
+    above `max_shard_size` (huggingface_hub's split, the layout HF's save_pretrained writes and reads)."""
+    split = split_torch_state_dict_into_shards(weights, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    files = split.filename_to_tensors.items()
+    for name, keys in progress(files, total=len(files), desc="write weights"):
+        save_file({k: weights[k] for k in keys}, str(out / name), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an export: the shards its index names, else model.safetensors."""
+    if (folder / INDEX).is_file():
+        names = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+    else:
+        files = [folder / WEIGHTS]
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{folder} is not a complete export folder: {f.name} is missing "
+                             f"(make one with python -m pretrain.export)")
+    return files
+
+
 def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype = torch.float32,
-                 source: dict | None = None) -> Path:
-    """Write `model` (TP=1) to `output` atomically: everything goes to output.tmp, renamed when complete."""
+                 source: dict | None = None, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+    """Write `model` (TP=1) to `output` atomically: everything goes to output.tmp, renamed when complete.
+
+    `source`: where the weights come from (checkpoint, step, tokens_seen, data, evaluation) for the model card.
+    """
     if output.exists():
         raise ValueError(f"{output} already exists; remove it or choose another --output")
     cfg: ModelConfig = model.config
@@ -213,23 +267,51 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {k: v.to(dtype).contiguous() for k, v in to_export_state_dict(full_state_dict(model), cfg).items()}
-    save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    _save_weights(weights, tmp, max_shard_size)
     config = hf_config(cfg)
-    vanilla = (cfg.encoder_attention, cfg.decoder_attention) == ("vanilla", "vanilla")
-    config.architectures = ["T5ForConditionalGeneration" if vanilla else "SynthesizerT5"]
-    config.synthesizer = {
-        "model": dataclasses.asdict(cfg),
-        "mixture_weights": {k: v.tolist() for k, v in model.mixture_weights().items()},  # softmax(mix)
-        "source": source or {},
-    }
+    mixture = {k: v.tolist() for k, v in model.mixture_weights().items()}  # softmax(mix)
+    if isinstance(config, SynthesizerT5Config):
+        # transformers' remote-code convention: the code travels with the weights, loaded only when asked
+        for name in REMOTE_CODE:
+            shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
+        config.architectures = ["SynthesizerT5ForConditionalGeneration"]
+        config.auto_map = {
+            "AutoConfig": "configuration_synthesizer_t5.SynthesizerT5Config",
+            "AutoModelForSeq2SeqLM": "modeling_synthesizer_t5.SynthesizerT5ForConditionalGeneration",
+        }
+    else:
+        config.architectures = ["T5ForConditionalGeneration"]
+    config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {}}
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(str(tmp))
+    GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp))
     write_tokenizer(spiece, tmp)
+    num_params = sum(p.numel() for p in model.parameters())  # TP = 1: the full model
+    (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output.name))
     tmp.rename(output)
     return output
 
 
-def export(run_dir: str | Path, output: str | Path, step: int | None = None, dtype: str = "fp32") -> Path:
+def _evaluation(run_dir: Path, step: int) -> dict[str, float]:
+    """What the run measured up to `step`: the last eval_* scalars of metrics.jsonl and results.json's metrics."""
+    found: dict[str, float] = {}
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: the card just omits it
+            continue
+        if record.get("step", step + 1) <= step:
+            found.update({k: v for k, v in record.items() if k.startswith("eval_")})
+    results = run_dir / "results.json"
+    if results.is_file():
+        for task, scores in json.loads(results.read_text()).items():
+            found.update({f"{task}/{metric}": value for metric, value in scores.items()})
+    return found
+
+
+def export(run_dir: str | Path, output: str | Path, step: int | None = None, dtype: str = "fp32",
+           max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """Checkpoint of `run_dir` (`latest` or step_N) -> the export folder `output`."""
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"--dtype '{dtype}' is not one of fp32, bf16")
@@ -243,24 +325,30 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     if not spiece.is_file():
         raise ValueError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
-    model = build_local_model(cfg)
-    load_full_state_dict(model, read_checkpoint(ckpt, model, trainer["tp"], trainer["dp"]))
-    source = {"checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tp": trainer["tp"], "dp": trainer["dp"]}
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
-    return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source)
+    model = build_local_model(cfg)
+    load_full_state_dict(model, read_checkpoint(ckpt, model, trainer["tp"]))
+    source = {
+        "checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tokens_seen": trainer.get("tokens_seen"),
+        "tp": trainer["tp"], "dp": trainer["dp"], "evaluation": _evaluation(run_dir, trainer["step"]),
+        # pretraining shards (data.train) or a fine-tuning task (task.name); no credentials of a URL
+        "data": _CREDENTIALS.sub("//", str(saved.get("data", {}).get("train") or saved.get("task", {}).get("name", ""))),
+    }
+    return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source,
+                        max_shard_size)
 
 
 def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, full fp32 state dict in our names) of an export folder."""
+    """(model config, full fp32 state dict in our names) of an export folder, sharded or not."""
     folder = Path(folder)
-    for part in (CONFIG, WEIGHTS, SPIECE):
+    for part in (CONFIG, SPIECE):
         if not (folder / part).is_file():
             raise ValueError(f"{folder} is not an export folder: {part} is missing (make one with python -m pretrain.export)")
     config = json.loads((folder / CONFIG).read_text())
     if "synthesizer" not in config:
         raise ValueError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
     cfg = ModelConfig(**config["synthesizer"]["model"])
-    hf = {k: v.float() for k, v in load_file(str(folder / WEIGHTS)).items()}
+    hf = {k: v.float() for f in _weight_files(folder) for k, v in load_file(str(f)).items()}
     return cfg, from_export_state_dict(hf, cfg)
 
 
@@ -279,10 +367,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="export folder to create")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of the saved weights")
+    parser.add_argument("--max-shard-size", default=MAX_SHARD_SIZE,
+                        help="largest weights file (e.g. 5GB, 500MB); bigger models are split into "
+                             "model-0000k-of-0000n.safetensors plus model.safetensors.index.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(export(args.run, args.output, args.step, args.dtype))
+        print(export(args.run, args.output, args.step, args.dtype, args.max_shard_size))
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 

@@ -1,17 +1,23 @@
-"""Export: real DeepSpeed checkpoints (TP 2 / ZeRO 1, TP 1 x DP 2 / ZeRO 3) -> one folder -> our model, bit-exact;
-vanilla exports against HuggingFace's T5 and tokenizer; mixture weights; damaged checkpoints refused."""
+"""Export: real DeepSpeed checkpoints (TP 2 / ZeRO 1, TP 1 x DP 2 / ZeRO 3) -> a (sharded) folder -> our model,
+bit-exact, and HuggingFace's AutoModelForSeq2SeqLM (remote code) with our logits; vanilla exports are plain HF T5
+(with HF's tokenizer); Synthesizer exports refuse to load without trust_remote_code; generation equals ours;
+incomplete, damaged or code-carrying checkpoints are refused. Constant parameters (norm weights, mixture logits,
+biases) are randomised so a swapped mapping shows."""
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForSeq2SeqLM
 
 from pretrain.config import Config, ParallelConfig, TrainConfig, ZeroConfig, load_config, to_yaml
 from pretrain.export import CheckpointError, export, load_pretrained, write_export
-from pretrain.model import build_local_model, full_state_dict
+from pretrain.model import build_local_model, full_state_dict, generate_greedy
 from tests.distributed import run_distributed
+from tests.test_hf_parity import randomize_constant_parameters
 from tokenizer.spm import Tokenizer
 
 TINY = load_config(Config, "configs/tiny.yaml")
@@ -19,7 +25,7 @@ TINY = load_config(Config, "configs/tiny.yaml")
 
 def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
     """One real optimizer step through the DeepSpeed engine, then a checkpoint; returns the gathered weights."""
-    from pretrain.checkpoint import CheckpointManager, TrainerState
+    from pretrain.checkpoint import CheckpointManager, Progress
     from pretrain.engine import build_engine
     from pretrain.model import build_model, universal_checkpoint_info
     from pretrain.parallel import init_distributed
@@ -33,9 +39,9 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
     loss = engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6], labels=ids[:, 1:7]).loss
     engine.backward(loss)
     engine.step()
-    state = TrainerState(step=1, tokens_seen=0, skipped_steps=0, tp=dims.tp, dp=dims.dp)
-    CheckpointManager(TINY.checkpoint, Path(run_dir) / "checkpoints", dims).save(
-        engine, state, {}, cfg_yaml, universal_checkpoint_info(model, 1100))
+    CheckpointManager(TINY.checkpoint, Path(run_dir) / "checkpoints", dims, engine=engine,
+                      progress=Progress(step=1, tokens_seen=2 * 18 * dims.dp), data=None, config_yaml=cfg_yaml,
+                      universal_info=universal_checkpoint_info(model, 1100)).save(1)
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
@@ -65,10 +71,36 @@ def _logits(model, seed=0):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
 
 
+def _batch(seed: int = 1):
+    """Encoder ids with one padded row, decoder ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 1100, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    return ids.masked_fill(mask == 0, 0), mask, torch.randint(2, 1100, (3, 7), generator=g)
+
+
+def _assert_same_as_ours(ours, hf) -> None:
+    """Logits within 1e-5 of the largest, and HF's cached greedy generate equals ours token for token."""
+    ids, mask, dec = _batch()
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        b = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+    expected = generate_greedy(ours, ids, mask, max_new_tokens=12)
+    generated = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(generated[:, 1:], expected)  # HF keeps the start token
+
+
 def test_export_round_trip_bit_exact(tmp_path, saved_run):
     run_dir, model_cfg, full = saved_run
     tp = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["tp"]
-    out = export(run_dir, tmp_path / "export")
+    out = export(run_dir, tmp_path / "export", max_shard_size="200KB")
+    # sharded as HF's save_pretrained shards: numbered files plus the index naming every tensor's file
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(set(index["weight_map"].values())) and not (out / "model.safetensors").exists()
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     model = load_pretrained(out)
     loaded = full_state_dict(model)
     assert set(loaded) == set(full)
@@ -84,57 +116,110 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
         assert torch.equal(torch.tensor(w), weights[layer])
         assert not torch.equal(weights[layer], torch.full_like(weights[layer], 0.5))  # moved off the init
     assert config["synthesizer"]["source"]["tp"] == tp and config["synthesizer"]["model"] == dataclasses.asdict(model_cfg)
+    # HuggingFace reads the same shards through the shipped remote code
+    _assert_same_as_ours(model, AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True).eval())
+    card = (out / "README.md").read_text()
+    assert "| encoder self-attention | `random+vanilla` |" in card and "- steps: 1" in card
+    assert f"- tokens seen: {config['synthesizer']['source']['tokens_seen']:,}" in card
+    assert "trust_remote_code=True" in card
 
 
-def test_damaged_or_partial_checkpoints_are_refused(tmp_path, saved_run):
+def _with_size_listed(ckpt: Path, file: Path) -> None:
+    """Update complete.json after rewriting `file`, as a save that wrote these very bytes would have."""
+    marker = json.loads((ckpt / "complete.json").read_text())
+    marker["files"][file.name] = file.stat().st_size
+    (ckpt / "complete.json").write_text(json.dumps(marker))
+
+
+class _RunsCode:
+    """A pickle that would run a shell command when unpickled without weights_only."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_incomplete_damaged_or_code_carrying_checkpoints_are_refused(tmp_path, saved_run):
     run_dir = tmp_path / "run"
     shutil.copytree(saved_run[0], run_dir)
     ckpt = run_dir / "checkpoints" / "step_1"
     out = tmp_path / "export"
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    last = f"DP rank {state['dp'] - 1}, TP rank {state['tp'] - 1}"
 
-    def refused(match):
+    def refused(match, step=1):
         with pytest.raises(CheckpointError, match=match):
-            export(run_dir, out)
+            export(run_dir, out, step=step)
         assert not out.exists() and not (tmp_path / "export.tmp").exists()
 
-    with pytest.raises(CheckpointError, match=r"step_7 not found; available: step_1"):
-        export(run_dir, out, step=7)
+    refused(r"step_7 not found; complete ones: step_1", step=7)
     optim = sorted(ckpt.glob("*optim_states.pt"))[-1]  # the last rank's shard
     saved = optim.read_bytes()
     optim.write_bytes(saved[: len(saved) // 2])  # a save cut short
+    refused(rf"step_1 is incomplete: {optim.name} \({len(saved) // 2} of {len(saved)} bytes\)")
+    refused(r"has no complete checkpoint", step=None)  # `latest` alone is not taken on trust
+    optim.write_bytes(saved[:100] + bytes(len(saved) - 100))  # the right size, overwritten
     refused(rf"{optim.name} is damaged")
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": _RunsCode(marker)}, optim)
+    _with_size_listed(ckpt, optim)
+    refused(rf"{optim.name} holds objects that are not tensors")
+    assert not marker.exists()
     optim.unlink()
-    refused(rf"is partial: the ZeRO optimizer shard of {last} is missing")
+    refused(rf"is incomplete: {optim.name} \(missing\)")
     optim.write_bytes(saved)
-    for f in ckpt.glob("*model_states.pt"):
-        f.unlink()
-    refused(r"is partial: the model states of TP rank 0 \(mp_rank_00\) are missing")
-    (ckpt / "trainer_state.json").unlink()
-    refused(r"is partial: trainer_state.json is missing")
+    _with_size_listed(ckpt, optim)
+    (ckpt / "complete.json").unlink()
+    refused(r"step_1 is incomplete: complete.json")
 
 
-def test_vanilla_export_matches_huggingface(tmp_path, tokenizer_model):
+def test_vanilla_export_is_plain_huggingface_t5(tmp_path, tokenizer_model):
     from transformers import T5ForConditionalGeneration, T5Tokenizer, T5TokenizerFast
 
     cfg = dataclasses.replace(TINY.model, encoder_attention="vanilla", decoder_attention="vanilla")
     torch.manual_seed(0)
     ours = build_local_model(cfg).eval()
+    randomize_constant_parameters(ours)
     out = write_export(ours, Path(tokenizer_model), tmp_path / "export")
-    hf = T5ForConditionalGeneration.from_pretrained(out).eval()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 1100, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    with torch.no_grad():
-        a = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :6]).logits
-        b = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :6]).logits
-    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "t5" and "auto_map" not in config and not list(out.glob("*.py"))
+    hf = AutoModelForSeq2SeqLM.from_pretrained(out).eval()  # no remote code needed
+    assert type(hf) is T5ForConditionalGeneration
+    _assert_same_as_ours(ours, hf)
+    assert json.loads((out / "generation_config.json").read_text()) | {"transformers_version": None} == {
+        "decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, "transformers_version": None}
+    assert "T5ForConditionalGeneration.from_pretrained" in (out / "README.md").read_text()
     text = "The quick brown fox <extra_id_0> over 12 lazy dogs."
     expected = Tokenizer(tokenizer_model).encode(text) + [1]
     for cls in (T5TokenizerFast, T5Tokenizer):
         assert cls.from_pretrained(out)(text).input_ids == expected
+
+
+@pytest.mark.parametrize("encoder,decoder,per_head", [
+    ("random+vanilla", "random+vanilla", False),  # the shipped tiny model
+    ("dense", "factorized_random+fixed_random", True),  # no dot product anywhere; per-head mixture
+    ("factorized_dense+vanilla", "dense+vanilla+random", True),
+])
+def test_synthesizer_export_loads_in_huggingface_with_remote_code_only(tmp_path, tokenizer_model, encoder, decoder,
+                                                                        per_head):
+    cfg = dataclasses.replace(TINY.model, encoder_attention=encoder, decoder_attention=decoder, mixture_per_head=per_head)
+    torch.manual_seed(0)
+    ours = build_local_model(cfg).eval()
+    randomize_constant_parameters(ours)  # norms, mixture logits, synthesizer biases: distinct, not 1 or 0
+    out = write_export(ours, Path(tokenizer_model), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "synthesizer_t5" and config["auto_map"]["AutoModelForSeq2SeqLM"]
+    for name in ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py"):
+        source = (out / name).read_text()
+        assert not any(line.startswith(("import pretrain", "from pretrain")) for line in source.splitlines())
+    # without trust_remote_code: refused, never silently a plain T5 with the Synthesizer weights dropped
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoModelForSeq2SeqLM.from_pretrained(out)
+    hf = AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "SynthesizerT5ForConditionalGeneration"
+    _assert_same_as_ours(ours, hf)
+    with pytest.raises(ValueError, match=r"sequence length 65 exceeds synthesizer_length \(64\)"):
+        hf(input_ids=torch.ones(1, 65, dtype=torch.long), decoder_input_ids=torch.zeros(1, 1, dtype=torch.long))
 
 
 def test_pure_synthesizer_layers_round_trip(tmp_path, tokenizer_model):
@@ -142,6 +227,7 @@ def test_pure_synthesizer_layers_round_trip(tmp_path, tokenizer_model):
     torch.manual_seed(0)
     ours = build_local_model(cfg).eval()
     out = write_export(ours, Path(tokenizer_model), tmp_path / "export", dtype=torch.bfloat16)
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     loaded = load_pretrained(out)
     for k, v in full_state_dict(ours).items():
         assert torch.equal(full_state_dict(loaded)[k], v.to(torch.bfloat16).float()), k

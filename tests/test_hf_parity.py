@@ -1,4 +1,7 @@
-"""Our vanilla model is HF's T5ForConditionalGeneration (v1.1): weights copied both ways, same logits/loss."""
+"""Our vanilla model is HF's T5ForConditionalGeneration (v1.1): weights copied both ways, same logits/loss.
+
+Every parameter that starts constant (RMSNorm weights at 1; in Synthesizer models also mixture logits and biases
+at 0) is randomised first, so a swapped mapping (attention norm <-> FFN norm, mixer order) changes the logits."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +31,15 @@ def _batch(seed: int):
     return ids, mask, dec, labels
 
 
+@torch.no_grad()
+def randomize_constant_parameters(model: torch.nn.Module, seed: int = 0) -> None:
+    """Distinct random values (0.5-1.5) for every parameter whose entries are all equal, e.g. norm weights."""
+    g = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        if param.numel() > 0 and bool((param == param.flatten()[0]).all()):
+            param.copy_(torch.rand(param.shape, generator=g) + 0.5)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -37,6 +49,7 @@ def test_hf_weights_into_ours_give_same_logits_and_loss():
     hf = T5ForConditionalGeneration(hf_config(CFG)).eval()
     # a fresh HF model has lm_head tied to `shared`; give it its own values, as v1.1 checkpoints have
     hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight))
+    randomize_constant_parameters(hf)
     ours = build_local_model(CFG).eval()
     load_full_state_dict(ours, from_hf_state_dict(hf.state_dict(), CFG))
     ids, mask, dec, labels = _batch(1)
@@ -50,6 +63,7 @@ def test_hf_weights_into_ours_give_same_logits_and_loss():
 def test_our_weights_into_hf_via_safetensors_round_trip(tmp_path):
     torch.manual_seed(1)
     ours = build_local_model(CFG).eval()
+    randomize_constant_parameters(ours)
     save_file(to_hf_state_dict(full_state_dict(ours), CFG), tmp_path / "model.safetensors")
     hf_config(CFG).save_pretrained(tmp_path)
     hf = T5ForConditionalGeneration.from_pretrained(tmp_path).eval()

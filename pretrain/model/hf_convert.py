@@ -1,8 +1,10 @@
 """Our full (TP=1) state dict <-> HuggingFace `T5ForConditionalGeneration` (v1.1: gated-gelu, untied).
 
-Only vanilla models have an HF counterpart. Layout differences: our fused Q/K/V rows are ordered
-[head, (q, k, v), d_kv], HF keeps q, k, v apart; our fused FFN input is [wi_0; wi_1]; our relative bias is
-[heads, buckets], HF's embedding is [buckets, heads]; HF's `encoder/decoder.embed_tokens` are `shared`. The HF dict saved as
+Only vanilla models map onto HF's T5 weights (pretrain.export adds the Synthesizer parameters); `hf_config`
+gives Synthesizer models `SynthesizerT5Config` (model_type "synthesizer_t5", remote code in
+`pretrain/model/hf_synthesizer/`). Layout differences: our fused Q/K/V rows are ordered [head, (q, k, v),
+d_kv], HF keeps q, k, v apart; our fused FFN input is [wi_0; wi_1]; our relative bias is [heads, buckets],
+HF's embedding is [buckets, heads]; HF's `encoder/decoder.embed_tokens` are `shared`. The HF dict saved as
 model.safetensors next to `hf_config(cfg).save_pretrained(dir)` loads with `from_pretrained(dir)`.
 """
 from __future__ import annotations
@@ -11,10 +13,12 @@ import torch
 from transformers import T5Config
 
 from pretrain.config import ModelConfig
+from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
 
 
 def hf_config(cfg: ModelConfig) -> T5Config:
-    config = T5Config(
+    """T5Config for vanilla models; SynthesizerT5Config (T5Config plus the mixers) for the others."""
+    t5 = dict(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff, num_layers=cfg.num_layers,
         num_decoder_layers=cfg.num_decoder_layers, num_heads=cfg.num_heads,
         relative_attention_num_buckets=cfg.relative_attention_num_buckets,
@@ -24,6 +28,13 @@ def hf_config(cfg: ModelConfig) -> T5Config:
         # transformers 5.x needs these explicitly for labels= to work
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )
+    if (cfg.encoder_attention, cfg.decoder_attention) == ("vanilla", "vanilla"):
+        config = T5Config(**t5)
+    else:
+        config = SynthesizerT5Config(
+            **t5, encoder_attention=cfg.encoder_attention, decoder_attention=cfg.decoder_attention,
+            synthesizer_length=cfg.max_length, factorized_k=cfg.factorized_k, mixture_per_head=cfg.mixture_per_head,
+        )
     # transformers 5.x reads tie_word_embeddings=False as "v1.1: do not scale the decoder output" and then
     # ties anyway; a checkpoint whose lm_head differs from `shared` is loaded untied by from_pretrained
     assert not config.scale_decoder_outputs

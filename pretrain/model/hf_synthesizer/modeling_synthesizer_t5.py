@@ -1,0 +1,187 @@
+"""HF's T5ForConditionalGeneration (v1.1) with Synthesizer self-attention (Tay et al. 2021, arXiv 2005.00743).
+
+Part of a Synthesizer export made by `python -m pretrain.export`; self-contained (torch + transformers), loaded
+with `AutoModelForSeq2SeqLM.from_pretrained(EXPORT, trust_remote_code=True)`. Everything but the
+self-attention is HF's T5. Each self-attention sums its mixers' per-head logits [b, heads, n, m], weighted
+by softmax(mix) (one vector per layer, or one per head) when there are several: "vanilla" is T5's q k^T,
+the synthesizers build logits for the maximum length N (`synthesizer_length`) and slice them to the query
+rows [start, start + n) and the first m key columns. Then T5's relative position bias and the mask are
+added, softmax in fp32, times the values. Incremental decoding caches keys and values in HF's cache, whose
+length is the position offset `start` of the synthesized rows.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import T5ForConditionalGeneration
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from .configuration_synthesizer_t5 import SynthesizerT5Config
+
+
+def factor_pair(n: int) -> tuple[int, int]:
+    """(a, b) with a * b = n and a the largest divisor <= sqrt(n): 512 -> (16, 32)."""
+    a = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return a, n // a
+
+
+class HiddenProjection(nn.Module):
+    """relu(W1_h x + b1_h) per head: the first layer of the dense synthesizers."""
+
+    def __init__(self, config: SynthesizerT5Config) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.d_model, config.num_heads * config.d_kv, bias=True)
+        nn.init.normal_(self.w1.weight, 0.0, config.initializer_factor * config.d_model**-0.5)
+        nn.init.zeros_(self.w1.bias)
+        self.d_kv = config.d_kv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return F.relu(self.w1(x)).view(b, n, -1, self.d_kv)  # [b, n, heads, d_kv]
+
+
+class Dense(nn.Module):
+    """F_h(x) = W2_h relu(W1_h x + b1_h) + b2_h: each token synthesizes its row of N logits."""
+
+    def __init__(self, config: SynthesizerT5Config) -> None:
+        super().__init__()
+        h, n, std = config.num_heads, config.synthesizer_length, config.initializer_factor * config.d_kv**-0.5
+        self.hidden = HiddenProjection(config)
+        self.w2 = nn.Parameter(torch.randn(h, n, config.d_kv) * std)
+        self.b2 = nn.Parameter(torch.zeros(h, n))
+
+    def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        logits = torch.einsum("bnhd,hmd->bhnm", self.hidden(x), self.w2[:, :m])
+        return logits + self.b2[None, :, None, :m]  # [b, heads, n, m]
+
+
+class FactorizedDense(nn.Module):
+    """A_h(x) in R^a repeated b times times B_h(x) in R^b tiled a times: a * b = N logits."""
+
+    def __init__(self, config: SynthesizerT5Config) -> None:
+        super().__init__()
+        h, dkv, std = config.num_heads, config.d_kv, config.initializer_factor * config.d_kv**-0.5
+        self.a, self.b = factor_pair(config.synthesizer_length)
+        self.hidden = HiddenProjection(config)
+        self.wa, self.ba = nn.Parameter(torch.randn(h, self.a, dkv) * std), nn.Parameter(torch.zeros(h, self.a))
+        self.wb, self.bb = nn.Parameter(torch.randn(h, self.b, dkv) * std), nn.Parameter(torch.zeros(h, self.b))
+
+    def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        hid = self.hidden(x)  # [b, n, heads, d_kv]
+        fa = torch.einsum("bnhd,had->bhna", hid, self.wa) + self.ba[None, :, None, :]  # [b, heads, n, a]
+        fb = torch.einsum("bnhd,hcd->bhnc", hid, self.wb) + self.bb[None, :, None, :]  # [b, heads, n, b]
+        return (fa[..., :, None] * fb[..., None, :]).flatten(-2)[..., :m]  # column i_a * b + i_b: [b, heads, n, m]
+
+
+class Random(nn.Module):
+    """A learned (random) or frozen (fixed_random) N x N logit matrix per head, independent of the input."""
+
+    def __init__(self, config: SynthesizerT5Config, trainable: bool) -> None:
+        super().__init__()
+        n = config.synthesizer_length
+        self.r = nn.Parameter(torch.randn(config.num_heads, n, n) * config.initializer_factor, requires_grad=trainable)
+
+    def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        return self.r[None, :, start : start + x.shape[1], :m]  # [1, heads, n, m]
+
+
+class FactorizedRandom(nn.Module):
+    """R_h = R1_h R2_h^T with R1, R2 in R^{N x k}."""
+
+    def __init__(self, config: SynthesizerT5Config) -> None:
+        super().__init__()
+        shape = (config.num_heads, config.synthesizer_length, config.factorized_k)
+        std = config.initializer_factor * config.factorized_k**-0.25  # entries of R1 R2^T: unit variance
+        self.r1, self.r2 = nn.Parameter(torch.randn(shape) * std), nn.Parameter(torch.randn(shape) * std)
+
+    def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        return (self.r1[:, start : start + x.shape[1]] @ self.r2[:, :m].transpose(1, 2))[None]  # [1, heads, n, m]
+
+
+SYNTHESIZERS = {
+    "dense": Dense,
+    "factorized_dense": FactorizedDense,
+    "random": lambda config: Random(config, trainable=True),
+    "fixed_random": lambda config: Random(config, trainable=False),
+    "factorized_random": FactorizedRandom,
+}
+
+
+class SynthesizerT5Attention(T5Attention):
+    """T5's self-attention with logits from a softmax-weighted mixture of mixers; no q, k without "vanilla"."""
+
+    def __init__(self, config: SynthesizerT5Config, mixers: tuple[str, ...], has_relative_attention_bias: bool,
+                 layer_idx: int) -> None:
+        super().__init__(config, has_relative_attention_bias, layer_idx, is_causal=config.is_decoder)
+        self.mixers = mixers
+        self.max_length = config.synthesizer_length
+        if "vanilla" not in mixers:
+            del self.q, self.k
+        self.synth = nn.ModuleDict({name: SYNTHESIZERS[name](config) for name in mixers if name != "vanilla"})
+        if len(mixers) > 1:
+            self.mix = nn.Parameter(torch.zeros((config.num_heads,) * config.mixture_per_head + (len(mixers),)))
+        f, d = config.initializer_factor, config.d_model
+        stds = {"q": f * (d * self.key_value_proj_dim) ** -0.5, "k": f * d**-0.5, "v": f * d**-0.5,
+                "o": f * self.inner_dim**-0.5, "relative_attention_bias": f * d**-0.5}  # T5's init
+        for name, std in stds.items():
+            if hasattr(self, name):
+                nn.init.normal_(getattr(self, name).weight, 0.0, std)
+        # initialised here, synthesizers included: T5's _init_weights, which the stacks run, assumes q and k
+        for module in self.modules():
+            module._is_hf_initialized = True
+
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
+        """hidden_states [b, n, d]; mask additive [b, 1, n, m] or None; cache: decoding (keys/values so far)."""
+        b, n, _ = hidden_states.shape
+        start = int(cache.get_seq_length(self.layer_idx)) if cache is not None else 0
+        if self.synth and start + n > self.max_length:
+            raise ValueError(f"sequence length {start + n} exceeds synthesizer_length ({self.max_length}) of the "
+                             f"synthesized attention; shorten the inputs")
+        shape = (b, n, -1, self.key_value_proj_dim)
+        v = self.v(hidden_states).view(shape).transpose(1, 2)  # [b, heads, n, d_kv]
+        q = k = None
+        if "vanilla" in self.mixers:
+            q = self.q(hidden_states).view(shape).transpose(1, 2)
+            k = self.k(hidden_states).view(shape).transpose(1, 2)
+        if cache is not None:
+            self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            # without dot-product keys the values fill the key slot too: HF's caches count positions by their keys
+            k, v = self_cache.update(v if k is None else k, v, self.layer_idx, kwargs=kwargs)
+        m = v.shape[2]
+        if position_bias is None:  # the first layer computes it, the stack shares it with the others
+            if self.has_relative_attention_bias:
+                position_bias = self.compute_bias(n, m, device=v.device, past_seen_tokens=start)
+            else:
+                position_bias = torch.zeros(1, self.n_heads, n, m, device=v.device, dtype=v.dtype)
+        alpha = torch.softmax(self.mix, dim=-1) if len(self.mixers) > 1 else None  # [k] or [heads, k]
+        logits = 0
+        for i, name in enumerate(self.mixers):
+            s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](hidden_states, start, m)
+            if alpha is not None:
+                s = s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
+            logits = logits + s  # [b|1, heads, n, m]
+        additive = position_bias if mask is None else position_bias + mask
+        wide = torch.promote_types(v.dtype, torch.float32)  # bf16 logits lose the differences that decide
+        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)
+        probs = F.dropout(probs, self.dropout, training=self.training)
+        out = (probs @ v).transpose(1, 2).reshape(b, n, -1)  # [b, n, heads * d_kv]
+        return self.o(out), position_bias, probs
+
+
+class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
+    """T5ForConditionalGeneration whose self-attention layers are `SynthesizerT5Attention`."""
+
+    config_class = SynthesizerT5Config
+    config: SynthesizerT5Config
+    # synthesized logits are computed here, not by an attention kernel: masks must be eager's additive floats
+    _supports_sdpa = False
+    _supports_flex_attn = False
+
+    def __init__(self, config: SynthesizerT5Config) -> None:
+        super().__init__(config)
+        for stack, spec in ((self.encoder, config.encoder_attention), (self.decoder, config.decoder_attention)):
+            for i, block in enumerate(stack.block):
+                block.layer[0].SelfAttention = SynthesizerT5Attention(stack.config, tuple(spec.split("+")), i == 0, i)
+        self.post_init()
