@@ -1,26 +1,32 @@
 """Faults: the exit codes of `pretrain.train` (one place; schedulers and docs/training.md rely on them),
-preemption signals agreed on by all ranks, and the non-finite-loss budget.
+preemption signals agreed on by all ranks, the skipped-step budget, and the one wrapper of every job's body
+(`run_with_exit_codes`) that turns failures into those codes and always ends child processes.
 
 Exit codes:
   EXIT_OK (0)          training reached train.steps, or train.exit_after steps were done (checkpoint saved)
-  EXIT_FAILED (1)      an error (a traceback on the failing rank; the others fail within parallel.timeout_s)
-  EXIT_USAGE (2)       a config or command-line mistake (one line on stderr)
-  EXIT_DIVERGED (3)    more than train.max_skipped_steps steps had a NaN/inf loss; the last good checkpoint stays
+  EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
+                       parallel.timeout_s, with one line saying another rank failed first
+  EXIT_USAGE (2)       a user mistake (pretrain.config.UsageError: config, inputs, layout): one line on stderr
+  EXIT_DIVERGED (3)    more than train.max_skipped_steps steps were skipped (non-finite loss or gradients);
+                       the last good checkpoint stays
   EXIT_PREEMPTED (75)  SIGTERM or SIGUSR1 arrived: a checkpoint was saved, run the same command again
                        (EX_TEMPFAIL from sysexits.h: "temporary failure, try again"; requeue the job)
 """
 from __future__ import annotations
 
+import gc
 import logging
+import multiprocessing
 import signal
 import sys
+import traceback
 import types
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from pretrain.config import ConfigError
+from pretrain.config import UsageError
 from pretrain.parallel import destroy_distributed
 
 log = logging.getLogger(__name__)
@@ -62,36 +68,66 @@ def any_rank_true(value: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-class SkipBudget:
-    """Counts steps skipped for a non-finite loss and raises `Diverged` once more than `limit` were skipped."""
+def check_skip_budget(step: int, skipped: int, limit: int) -> None:
+    """After a skipped step: a warning, or `Diverged` once more than `limit` steps were skipped in the run."""
+    log.warning("step %d: non-finite loss or gradients on some rank; the update was skipped (%d of %d allowed)",
+                step, skipped, limit)
+    if skipped > limit:
+        raise Diverged(f"step {step}: non-finite loss or gradients; {skipped} steps skipped, more than "
+                       f"train.max_skipped_steps ({limit}); stopping, the last good checkpoint stays")
 
-    def __init__(self, limit: int, skipped: int = 0) -> None:
-        self.limit = limit
-        self.skipped = skipped
 
-    def skip(self, step: int) -> None:
-        self.skipped += 1
-        log.warning("step %d: NaN/inf loss on some rank; skipped (%d of %d allowed)", step, self.skipped, self.limit)
-        if self.skipped > self.limit:
-            raise Diverged(
-                f"step {step}: NaN/inf loss; {self.skipped} steps skipped, more than "
-                f"train.max_skipped_steps ({self.limit}); stopping, the last good checkpoint stays"
-            )
+def _is_peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank died or failed first (gloo/NCCL errors, timeouts)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL error", "gloo"))
+
+
+def _user_message(e: UsageError) -> str:
+    """The one line of a usage error; one raised in a DataLoader worker arrives wrapped with its traceback."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if "Original Traceback" in str(e):
+        return lines[-1].split(": ", 1)[-1]
+    return " ".join(lines)
+
+
+def stop_child_processes() -> None:
+    """Loader workers left by a failure: collect unreferenced DataLoader iterators (their shutdown ends the
+    workers cleanly), then kill what is left. Workers ignore SIGTERM (pretrain.data.loader), so without this
+    the interpreter's exit would wait for them forever."""
+    gc.collect()
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
 
 
 def run_with_exit_codes(job: Callable[[], int], prog: str, usage_errors: tuple[type[Exception], ...] = ()) -> int:
-    """Run a job's body and map its documented failures to exit codes; process groups are always torn down.
+    """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
-    ValueError/ConfigError (and `usage_errors`) -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED;
-    anything else propagates (a traceback; Python exits 1 = EXIT_FAILED).
+    UsageError (and `usage_errors`) -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
+    that failed because another rank failed first -> one line naming it, EXIT_FAILED (the first error is that
+    rank's); anything else -> its traceback, once, EXIT_FAILED.
     """
     try:
         return job()
-    except (ValueError, ConfigError, *usage_errors) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (UsageError, *usage_errors) as e:
+        print(f"{prog}: error: {_user_message(e)}", file=sys.stderr)
         return EXIT_USAGE
     except Diverged as e:
         log.error("%s", e)
         return EXIT_DIVERGED
+    except Exception as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if _is_peer_failure(e):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"{prog}: rank {rank}: a collective failed ({first}); another rank failed first, its error "
+                  "is the one to read", file=sys.stderr)
+        else:
+            print(f"{prog}: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        return EXIT_FAILED
     finally:
+        stop_child_processes()
         destroy_distributed()

@@ -4,18 +4,22 @@ run.dir=RUN [section.key=value ...]` (or `srun python -m pretrain.finetune ...`)
 
 The same machinery as pretraining: process groups and TP (`pretrain.parallel`), the DeepSpeed engine
 (`pretrain.engine`: ZeRO, bf16, clipping, LR schedule), checkpoints with resume and re-sharding
-(`pretrain.checkpoint`), the train step and metrics (`pretrain.train`, `pretrain.metrics`: metrics.jsonl and
-TensorBoard). The model is built at this job's TP from the export's full weights, Synthesizer layers and
-mixture weights included (`task.freeze_mixture` keeps the mixture fixed). Evaluation (`pretrain.evaluate`)
+(`pretrain.checkpoint`), and the one loop (`pretrain.loop`: steps, skipped steps, metrics, evaluation,
+checkpoints, preemption with exit 75 and auto-resume, `train.exit_after`). The model is built at this job's TP
+from the export's full weights, Synthesizer layers and mixture weights included (`task.freeze_mixture` keeps
+the mixture fixed); inputs longer than a synthesizer's `model.max_length` are truncated to it. Evaluation (`pretrain.evaluate`)
 runs every `eval.every` steps and at the end, writing `RUN/results.json`, `RUN/results.md` and test-set
 predictions under `RUN/submission/`.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # answer --help before the heavy imports below (torch, DeepSpeed, megatron: seconds)
+    from pretrain.cli import exit_on_help
+    exit_on_help("FinetuneConfig", prog="pretrain.finetune")
+
 import dataclasses
 import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -23,18 +27,20 @@ from typing import Iterator
 import torch
 import yaml
 
-from pretrain.checkpoint import CheckpointManager, TrainerState, find_resume, prepare_resume
-from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig,
-                             TrainConfig, ZeroConfig, parse_args, save_config, to_yaml)
+from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepare_resume
+from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
+                             UsageError, ZeroConfig, parse_args, save_config, to_yaml)
 from pretrain.engine import build_engine, num_accumulation_steps
 from pretrain.evaluate import METHODS, evaluate_task, write_results
 from pretrain.export import read_export
-from pretrain.faults import EXIT_OK, SkipBudget, run_with_exit_codes
+from pretrain.faults import EXIT_OK, run_with_exit_codes
+from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
+from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, to_device
 from pretrain.metrics import MetricsLogger
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info
+from pretrain.model.attention import parse_mixers
 from pretrain.parallel import VOCAB_MULTIPLE, init_distributed, padded_vocab_size
 from pretrain.tasks import Example, TaskFileError, get_task
-from pretrain.train import init_logging, mixture_metrics, train_step
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.finetune")
@@ -70,7 +76,7 @@ class FinetuneConfig:
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: str = "fp32"
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
@@ -160,100 +166,119 @@ def build_from_export(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor
     return model
 
 
+class TaskEvaluation:
+    """The task's official metrics on its validation files every `eval.every` steps and at the end (then also the
+    test-set predictions); writes `results.json` / `results.md` (rank 0) and returns `eval/<split>/<metric>`."""
+
+    def __init__(self, model: T5Model, tokenizer: Tokenizer, task, cfg: FinetuneConfig, max_input_length: int,
+                 run_dir: Path, rank: int) -> None:
+        self.model, self.tokenizer, self.task, self.cfg = model, tokenizer, task, cfg
+        self.max_input_length, self.run_dir, self.rank = max_input_length, run_dir, rank
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or bool(self.cfg.eval.every and step % self.cfg.eval.every == 0)
+
+    def __call__(self, step: int, last: bool) -> dict[str, float]:
+        submission = self.run_dir / "submission" if last and self.cfg.eval.submission else None
+        results = evaluate_task(self.model, self.tokenizer, self.task, self.cfg.data.dir, self.cfg.eval.method,
+                                self.cfg.eval.batch, self.max_input_length, self.cfg.eval.limit, submission)
+        record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
+        if self.rank == 0:
+            write_results(self.run_dir, results)
+            log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in record.items()))
+        return record
+
+
+def input_limit(model_cfg: ModelConfig, requested: int) -> int:
+    """Synthesized attention holds N = model.max_length positions: longer inputs are cut to N (said once)."""
+    synthesized = set(parse_mixers(model_cfg.encoder_attention)) - {"vanilla"}
+    if synthesized and requested > model_cfg.max_length:
+        log.warning("task.max_input_length %d exceeds the model's max_length %d (%s attention): inputs are "
+                    "truncated to %d tokens", requested, model_cfg.max_length, "+".join(sorted(synthesized)),
+                    model_cfg.max_length)
+        return model_cfg.max_length
+    return requested
+
+
 def finetune(cfg: FinetuneConfig) -> int:
-    # 1. Process groups, the task, the exported weights ------------------------------------------------------
+    # 1. Process groups, checks, the task and its files (all read now), the exported weights ----------------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
+    check_precision(cfg.precision, cfg.parallel.backend, dims.device)
+    check_train_config(cfg.train, cfg.log.every)
     if cfg.eval.method not in METHODS:
-        raise ValueError(f"eval.method '{cfg.eval.method}' is not one of {', '.join(METHODS)}")
-    # checked here, not when the first evaluation runs after hours of training
+        raise UsageError(f"eval.method '{cfg.eval.method}' is not one of {', '.join(METHODS)}")
     if cfg.eval.batch < 1:
-        raise ValueError(f"eval.batch ({cfg.eval.batch}) must be at least 1")
+        raise UsageError(f"eval.batch ({cfg.eval.batch}) must be at least 1")
     if cfg.task.max_input_length < 2:
-        raise ValueError(f"task.max_input_length ({cfg.task.max_input_length}) must be at least 2 (a token and EOS)")
+        raise UsageError(f"task.max_input_length ({cfg.task.max_input_length}) must be at least 2 (a token and EOS)")
     if not cfg.init:
-        raise ValueError("init is empty; pass init=EXPORT_DIR (made by python -m pretrain.export)")
+        raise UsageError("init is empty; pass init=EXPORT_DIR (made by python -m pretrain.export)")
     task = get_task(cfg.task.name)
     if (Path(cfg.data.dir) / task.folder).is_dir():  # a benchmark root: one data.dir for a whole array job
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(Path(cfg.data.dir) / task.folder)))
-    model_cfg, full_state = read_export(cfg.init)
-    model_cfg = dataclasses.replace(model_cfg, dropout=cfg.task.dropout)
-    spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
-    tokenizer = Tokenizer(spiece)
-    model_cfg, full_state = fit_vocab(model_cfg, full_state, tokenizer.num_ids, dims.tp)
+    examples = task.read(cfg.data.dir, task.train, labelled=True)
+    for split in task.splits:  # the evaluation files, checked now rather than after hours of training
+        task.read(cfg.data.dir, split.validation, labelled=True)
+        if cfg.eval.submission:
+            task.read(cfg.data.dir, split.test, labelled=False)
     run_dir = Path(cfg.run.dir)
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
+    lock = acquire_run_lock(run_dir, dims)
+    try:
+        model_cfg, full_state = read_export(cfg.init)
+        model_cfg = dataclasses.replace(model_cfg, dropout=cfg.task.dropout)
+        spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
+        tokenizer = Tokenizer(spiece)
+        model_cfg, full_state = fit_vocab(model_cfg, full_state, tokenizer.num_ids, dims.tp)
+        max_input_length = input_limit(model_cfg, cfg.task.max_input_length)
 
-    # 2. Model at this job's TP from the full weights, optionally with frozen mixture weights, and the engine
-    checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", dims)
-    resume_path = find_resume(cfg.checkpoint, checkpoints.root)
-    plan = prepare_resume(resume_path, model_cfg, dims) if resume_path else None
-    model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing)
-    engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp, load_universal=bool(plan and plan.universal))
-    universal_info = universal_checkpoint_info(model, tokenizer.num_ids)
+        # 2. Model at this job's TP from the full weights, optionally with frozen mixture weights, and the engine
+        root = run_dir / "checkpoints"
+        resume = find_resume(cfg.checkpoint, root)
+        plan = prepare_resume(resume, model_cfg, dims, cfg.parallel.timeout_s) if resume else None
+        model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing)
+        engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
+                              load_universal=bool(plan and plan.universal))
 
-    # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------
-    examples = task.read(cfg.data.dir, task.train, labelled=True)
-    examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
-    stream = ExampleStream(tokenize(examples, tokenizer, cfg.task.max_input_length), cfg.train.micro_batch,
-                           dims.dp_rank, dims.dp, cfg.run.seed)
+        # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------
+        examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
+        stream = ExampleStream(tokenize(examples, tokenizer, max_input_length), cfg.train.micro_batch,
+                               dims.dp_rank, dims.dp, cfg.run.seed)
 
-    # 4. Restore -----------------------------------------------------------------------------------------------
-    state = TrainerState(step=0, tokens_seen=0, skipped_steps=0, tp=dims.tp, dp=dims.dp)
-    if plan:
-        loader_state = checkpoints.load(engine, plan)
-        if loader_state is not None:
-            stream.load_state_dict(loader_state)
-        state = TrainerState(plan.state.step, 0, plan.state.skipped_steps, dims.tp, dims.dp)
-        log.info("resumed from %s at step %d", plan.path, state.step)
-    # the checkpoint's config.yaml also names the model and tokenizer, so pretrain.export reads fine-tuned runs
-    config_yaml = to_yaml(cfg) + yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False)
-    if dims.rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
-    metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=state.step)
+        # 4. Checkpoints and restore; the checkpoint's config.yaml also names the model and tokenizer, so
+        #    pretrain.export reads fine-tuned runs -----------------------------------------------------------------
+        progress = Progress()
+        config_yaml = to_yaml(cfg) + yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False)
+        checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=stream,
+                                        config_yaml=config_yaml,
+                                        universal_info=universal_checkpoint_info(model, tokenizer.num_ids))
+        if plan:
+            checkpoints.load(plan)
+            log.info("resumed from %s at step %d", plan.path, progress.step)
+        if dims.rank == 0:
+            save_config(cfg, run_dir / "config.yaml")
 
-    # 5. The loop ------------------------------------------------------------------------------------------------
-    log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d",
-             task.name, len(examples), state.step, cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch,
-             accumulation, dims.dp)
-    batches = ({k: v.to(dims.device) for k, v in b.items()} for b in stream)
-    window, norms, start = [], [], time.perf_counter()
-    budget = SkipBudget(cfg.train.max_skipped_steps, state.skipped_steps)
-    while state.step < cfg.train.steps:
-        result = train_step(engine, batches, accumulation, dims)
-        if result.non_finite:
-            budget.skip(state.step + 1)
-        if result.loss is None:  # nothing applied: the same step is tried again with the next batches
-            continue
-        state = TrainerState(state.step + 1, 0, budget.skipped, dims.tp, dims.dp)
-        window.append(result.loss)
-        norms.append(result.grad_norm)
-        record: dict[str, float] = {}
-        last = state.step == cfg.train.steps
-        if state.step % cfg.log.every == 0 or last:
-            record = {"loss": sum(window) / len(window), "lr": engine.get_lr()[0], "grad_norm": norms[-1],
-                      "samples_per_s": cfg.train.global_batch * len(window) / (time.perf_counter() - start)}
-            record.update(mixture_metrics(engine.module, cfg.zero.stage))
-            log.info("step %d/%d  loss %.4f  lr %.3g  %.1f samples/s", state.step, cfg.train.steps, record["loss"],
-                     record["lr"], record["samples_per_s"])
-            window, norms, start = [], [], time.perf_counter()
-        if last or (cfg.eval.every and state.step % cfg.eval.every == 0):
-            results = evaluate_task(engine.module, tokenizer, task, cfg.data.dir, cfg.eval.method, cfg.eval.batch,
-                                    cfg.task.max_input_length, cfg.eval.limit,
-                                    run_dir / "submission" if last and cfg.eval.submission else None)
-            record.update({f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()})
-            if dims.rank == 0:
-                write_results(run_dir, results)
-                log.info("step %d  %s", state.step, "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("eval/")))
-        if record:
-            metrics.write(state.step, record)
-        if last or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):
-            checkpoints.save(engine, state, stream.state_dict(), config_yaml, universal_info)
-    metrics.close()
-    if dims.rank == 0 and (run_dir / "results.md").is_file():
+        # 5. Metrics, evaluation and the loop ----------------------------------------------------------------------
+        meter = Meter(every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
+                      extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
+        evaluator = TaskEvaluation(engine.module, tokenizer, task, cfg, max_input_length, run_dir, dims.rank)
+        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step)
+        log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d",
+                 task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
+                 cfg.train.micro_batch, accumulation, dims.dp)
+        try:
+            code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
+                            checkpoints, metrics, evaluator)
+        finally:
+            metrics.close()
+    finally:
+        lock.release()
+    if code == EXIT_OK and dims.rank == 0 and (run_dir / "results.md").is_file():
         print((run_dir / "results.md").read_text(), end="")
-    return EXIT_OK
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import hashlib
 import html
 import json
 import logging
+import re
 import resource
 import time
 from pathlib import Path
@@ -21,7 +22,36 @@ import torch
 log = logging.getLogger(__name__)
 
 # dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity)
-_GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "V100": 125e12}
+# Dense peak FLOP/s per device (vendor data sheets, without sparsity): (bf16/fp16, fp32 as TF32 tensor-core
+# matmuls, which the trainer enables). Matched against torch.cuda.get_device_name in this order, the first
+# pattern found wins, so the PCIe and NVL parts are listed before the SXM names they contain.
+_GPU_PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
+    (r"GB200", 2.5e15, 1.25e15),
+    (r"B200", 2.25e15, 1.1e15),
+    (r"H200 NVL", 835e12, 418e12),
+    (r"H200", 989e12, 495e12),  # SXM
+    (r"H100 PCIe", 756e12, 378e12),
+    (r"H100 NVL", 835e12, 418e12),
+    (r"H100", 989e12, 495e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"H800 PCIe", 756e12, 378e12),
+    (r"H800", 989e12, 495e12),
+    (r"A100", 312e12, 156e12),  # SXM and PCIe alike
+    (r"A800", 312e12, 156e12),
+    (r"L40S", 362e12, 183e12),
+    (r"L40\b", 181e12, 90.5e12),
+    (r"L4\b", 121e12, 60e12),
+    (r"A10G", 70e12, 35e12),
+    (r"A10\b", 125e12, 62.5e12),
+    (r"V100", 125e12, 15.7e12),  # fp16 only: no bf16, no TF32
+)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut by a crash (the last one) counts as after any resume point."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 class MetricsLogger:
@@ -45,7 +75,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
             # steps after the resumed checkpoint were computed by a run that died; they are redone now
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a")
         # purge_step hides the same stale steps from TensorBoard
@@ -56,7 +86,7 @@ class MetricsLogger:
             # one id per run folder: a restarted job continues the same W&B run
             run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
             self._wandb = wandb_lib.init(project=wandb, name=run_dir.name, id=run_id, resume="allow",
-                                         dir=str(run_dir), config=config or {})
+                                         dir=str(run_dir), config=config or {}, settings=wandb_lib.Settings(console="off"))
 
     def write(self, step: int, scalars: dict[str, float], tokens_seen: int | None = None) -> None:
         """One metrics line; with `tokens_seen`, the same scalars also under `by_tokens/` with tokens as the x axis."""
@@ -105,17 +135,25 @@ class MetricsLogger:
                 self._wandb.finish()
 
 
-def peak_flops(configured: float, device: torch.device) -> float:
-    """Peak FLOP/s of one device: `log.peak_flops` if set, a data-sheet table on GPUs, else a measured matmul."""
+def gpu_peak_flops(name: str, precision: str) -> float:
+    """Data-sheet dense peak of the GPU called `name` at `precision` (bf16, fp16 or fp32); 0 if unknown."""
+    for pattern, half, tf32 in _GPU_PEAK_FLOPS:
+        if re.search(pattern, name):
+            return tf32 if precision == "fp32" else half
+    return 0.0
+
+
+def peak_flops(configured: float, device: torch.device, precision: str = "bf16") -> float:
+    """Peak FLOP/s of one device: `log.peak_flops` if set, the data sheet's for `precision` on GPUs, else a
+    measured matmul rate."""
     if configured > 0:
         return configured
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in _GPU_PEAK_FLOPS.items():
-            if key in name:
-                return flops
-        log.warning("no peak FLOP/s known for %s; set log.peak_flops for model FLOPs utilisation", name)
-        return 0.0
+        flops = gpu_peak_flops(name, precision)
+        if not flops:
+            log.warning("no peak FLOP/s known for %s; set log.peak_flops for model FLOPs utilisation", name)
+        return flops
     return measured_matmul_flops()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,7 +49,8 @@ class ParallelDims:
 
 
 def padded_vocab_size(num_ids: int, tp: int) -> int:
-    """Smallest multiple of 128 x tp that holds `num_ids` ids (32100 -> 32128 at TP 1 and 2)."""
+    """Embedding rows for `num_ids` token ids at TP `tp`: the smallest multiple of 128 x tp (Megatron's rule;
+    32100 -> 32128 at TP 1, 32256 at TP 2). The one place the padding rule lives; model.vocab_size is ids."""
     multiple = VOCAB_MULTIPLE * tp
     return -(-num_ids // multiple) * multiple
 
@@ -66,11 +68,8 @@ def check_parallel(model_cfg: ModelConfig, tp: int, world_size: int) -> None:
         raise ValueError(
             f"model.num_heads ({model_cfg.num_heads}) must be a multiple of parallel.tensor ({tp})"
         )
-    if model_cfg.vocab_size % (VOCAB_MULTIPLE * tp):
-        raise ValueError(
-            f"model.vocab_size ({model_cfg.vocab_size}) must be a multiple of 128 x parallel.tensor "
-            f"({VOCAB_MULTIPLE * tp}); use {padded_vocab_size(model_cfg.vocab_size, tp)}"
-        )
+    if model_cfg.d_ff % tp:
+        raise ValueError(f"model.d_ff ({model_cfg.d_ff}) must be a multiple of parallel.tensor ({tp})")
 
 
 def _pick_backend(requested: str) -> str:
@@ -93,8 +92,16 @@ def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
     export_torch_env(env)  # SLURM's variables -> the env:// rendezvous variables
     backend = _pick_backend(cfg.backend)
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
+        if cfg.tensor > 1:
+            # TP's communication must be issued in order with the compute that consumes it (Megatron's setting);
+            # read when the CUDA context is created, i.e. before set_device
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        # a task may see all the node's GPUs (torchrun) or only its own (srun --gpus-per-task)
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        # fp32 matmuls and convolutions on tensor cores (TF32); bf16 runs are unaffected
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
@@ -106,7 +113,11 @@ def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
             timeout=timedelta(seconds=cfg.timeout_s),
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor)
+        # every group gets the configured timeout (megatron's default is 30 minutes); megatron's extra gloo
+        # groups serve its own distributed optimizer and checkpointing, which this project does not use
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor,
+                                                 distributed_timeout_minutes=cfg.timeout_s / 60,
+                                                 create_gloo_process_groups=False)
     init_rng(seed, cuda=device.type == "cuda")
     dims = ParallelDims(
         world=env.world_size,
@@ -128,7 +139,7 @@ def init_single_process(seed: int = 0) -> None:
         # a private address, not MASTER_ADDR/MASTER_PORT: jobs this process starts must not inherit them
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
         state = torch.get_rng_state()  # leave the caller's global stream (and its manual_seed) untouched
         init_rng(seed, cuda=False)
         torch.set_rng_state(state)

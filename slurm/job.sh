@@ -9,7 +9,9 @@ site_setup
 # every task reads through launch/env.py (first host of the job; a port from the job id, stable on requeue).
 gpus=${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 NPROC=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
-STEP_LAYOUT=(--ntasks=$(( SLURM_JOB_NUM_NODES * NPROC )) --ntasks-per-node="$NPROC")
+# --kill-on-bad-exit: a task that dies ends the step's other tasks at once, rather than leaving them to find out
+# through a collective's timeout (the trainer's own handling ends them too; this is the scheduler's backstop)
+STEP_LAYOUT=(--ntasks=$(( SLURM_JOB_NUM_NODES * NPROC )) --ntasks-per-node="$NPROC" --kill-on-bad-exit=1)
 if [ $(( SLURM_CPUS_ON_NODE / NPROC )) -ge 1 ]; then
   STEP_LAYOUT+=(--cpus-per-task=$(( SLURM_CPUS_ON_NODE / NPROC )))
 else
@@ -18,3 +20,45 @@ fi
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))
+
+# `run_requeueable MODULE ARGS...`: the job's srun step of `python -m MODULE ARGS`, requeued on preemption.
+# SLURM sends USR1 to this shell <seconds> before the time limit (--signal=B:USR1@...); the trap forwards it to the
+# step, whose job saves a checkpoint and exits with its "preempted" code; the job is then requeued (up to
+# MAX_RESTARTS restarts). `scontrol requeue` and scheduler preemption send TERM to the tasks directly; they
+# checkpoint the same way and SLURM requeues the job itself. Returns the step's exit code.
+EXIT_RESTARTS=4  # distinct from the jobs' codes (pretrain/faults.py: 0, 1, 2, 3, 75)
+# read, not imported: importing pretrain.faults would load torch and megatron for one number
+EXIT_PREEMPTED=$(sed -n 's/^EXIT_PREEMPTED = \([0-9]*\).*/\1/p' pretrain/faults.py)
+run_requeueable() {
+  local module=$1 restarts=${SLURM_RESTART_COUNT:-0} signalled="" step rc
+  shift
+  if [ "$restarts" -gt "$MAX_RESTARTS" ]; then
+    echo "$module: job $SLURM_JOB_ID restarted $restarts times (MAX_RESTARTS=$MAX_RESTARTS); giving up" >&2
+    return $EXIT_RESTARTS
+  fi
+  echo "$module: job $SLURM_JOB_ID run $restarts on $SLURM_JOB_NUM_NODES nodes x $NPROC processes, master $MASTER_ADDR:$MASTER_PORT"
+  # USR1: the time limit is near, we requeue. TERM: SLURM is requeueing or cancelling the job and signals the
+  # tasks itself; USR1 is forwarded anyway in case only this shell got it (srun relays USR1 to every task as
+  # is, but turns a TERM into SIGKILL)
+  trap 'signalled=USR1; kill -s USR1 "$step" 2>/dev/null' USR1
+  trap 'signalled=TERM; kill -s USR1 "$step" 2>/dev/null' TERM
+  srun "${STEP_LAYOUT[@]}" "$PYTHON" -m "$module" "$@" &
+  step=$!
+  # `wait` returns early when a trapped signal arrives: wait until the step is gone, then ask bash for its
+  # status, which it keeps for finished background jobs
+  wait "$step"
+  while kill -0 "$step" 2>/dev/null; do wait "$step"; done
+  wait "$step"; rc=$?
+  # with --kill-on-bad-exit the first task to exit 75 may get its peers killed while they exit too, so the
+  # step's code can be a kill rather than 75: after our own USR1, any failure is the preemption we asked for
+  if [ "$rc" -ne 0 ] && [ "$signalled" != TERM ] && { [ "$rc" -eq "$EXIT_PREEMPTED" ] || [ "$signalled" = USR1 ]; }; then
+    if [ "$restarts" -lt "$MAX_RESTARTS" ]; then
+      echo "$module: checkpoint saved, requeueing job $SLURM_JOB_ID (restart $(( restarts + 1 )))"
+      scontrol requeue "$SLURM_JOB_ID"
+    else
+      echo "$module: checkpoint saved; MAX_RESTARTS=$MAX_RESTARTS reached, not requeueing" >&2
+    fi
+  fi
+  echo "$module: exited with $rc"
+  return "$rc"
+}

@@ -77,3 +77,34 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) ->
                 p.terminate()
             p.join()
     return [outputs[r] for r in range(world_size)]
+
+
+def launch_like_srun(world_size: int, code: str, argv: list[str], *, cwd: str | os.PathLike | None = None,
+                     preexec_fn: Callable[[], None] | None = None, hang_s: float = 900.0) -> list[tuple[int, str]]:
+    """`world_size` processes of `python -c code argv`, each with the launcher's variables as srun/torchrun set
+    them: [(exit code, stderr)] in rank order.
+
+    `hang_s` only tells a hang from a slow run: a job whose processes have not all ended by then is killed and
+    the test fails saying so (it is no performance limit; the runs here take seconds).
+    """
+    import subprocess
+    import sys
+
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, *argv], cwd=cwd, start_new_session=True, text=True,
+                         stderr=subprocess.PIPE, preexec_fn=preexec_fn, env={
+                             **os.environ, "RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+        for r in range(world_size)
+    ]
+    results = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=hang_s)
+            results.append((p.returncode, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, 9)
+        raise AssertionError(f"the job hung: not every process ended within {hang_s:.0f} s") from None
+    return results

@@ -11,10 +11,8 @@ import contextlib
 import json
 import math
 import os
+import resource
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ import torch
 
 from pretrain.config import Config, load_config
 from pretrain.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
-from tests.distributed import run_distributed
+from tests.distributed import launch_like_srun, run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +28,9 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 STEPS = 8
 # every step logged, evaluation and a checkpoint every 4 steps; 8 steps at lr warmup 10 (tiny.yaml)
 COMMON = [f"train.steps={STEPS}", "log.every=1", "eval.every=4", "checkpoint.every=4", "checkpoint.keep=2"]
+# the layouts whose optimizers must skip a step with non-finite gradients: plain fp32 (our guard), ZeRO's, bf16's
+INF_VARIANTS = {"zero0": ["zero.stage=0"], "zero1": ["zero.stage=1"],
+                "bf16": ["zero.stage=1", "precision=bf16", "parallel.backend=gloo"]}
 
 
 def data_overrides(shards, workers: int = 0) -> list[str]:
@@ -41,54 +42,68 @@ def data_overrides(shards, workers: int = 0) -> list[str]:
 
 def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str | None]]) -> list[int | str]:
     """In one process group, train every (run_dir, overrides, fault) in turn; returns the exit codes, or the
-    message of a ValueError (a refused config) for a run that raised one.
+    message of a UsageError (a refused config) for a run that raised one.
 
-    Faults are injected in this process: "nan" makes rank 1's training loss NaN at its forward calls 3, 5
-    and 6 and runs through `main` (which then tears the process group down: it must come last);
-    "sigterm" sends SIGTERM to rank 1 itself after its second step.
+    Faults are injected in this process: ("inf", calls) makes an activation of rank 1 infinite (the output of
+    the first encoder feed-forward) at its forward calls `calls`; "diverge" does so at calls 3, 5 and 6 and runs
+    through `main` (which then tears the process group down: it must come last); "sigterm" sends SIGTERM to
+    rank 1 itself after its second step.
     """
+    from pretrain import loop as loop_module
     from pretrain import train as train_module
+    from pretrain.config import UsageError
 
     codes = []
     for run_dir, overrides, fault in runs:
         argv = ["--config", TINY, f"run.dir={run_dir}", *overrides]
-        if fault == "nan":
-            with _nan_loss_at({3, 5, 6} if rank == 1 else set()):
+        if fault == "diverge":
+            with inf_activation_at({3, 5, 6} if rank == 1 else set()):
                 codes.append(train_module.main(argv))
+        elif isinstance(fault, tuple) and fault[0] == "inf":
+            with inf_activation_at(fault[1] if rank == 1 else set()):
+                codes.append(train_module.train(load_config(Config, TINY, argv[2:])))
         elif fault == "sigterm":
-            with _signal_after_steps(2 if rank == 1 else None, train_module):
+            with _signal_after_steps(2 if rank == 1 else None, loop_module):
                 codes.append(train_module.train(load_config(Config, TINY, argv[2:])))
         else:
             try:
                 codes.append(train_module.train(load_config(Config, TINY, argv[2:])))
-            except ValueError as e:
+            except UsageError as e:
                 codes.append(str(e))
     return codes
 
 
 @contextlib.contextmanager
-def _nan_loss_at(calls: set[int]):
-    from pretrain.model.t5 import T5Model
+def inf_activation_at(calls: set[int]):
+    """The first encoder layer's feed-forward output becomes +inf at the model's forward calls `calls` (counted
+    from 1): a real overflow inside the network, not a NaN put into the loss value."""
+    from pretrain.model.t5 import GatedFFN, T5Model
 
-    original, count = T5Model.forward, [0]
+    forward, ffn_forward, count = T5Model.forward, GatedFFN.forward, [0]
+    state = {"armed": False}
 
-    def forward(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
+    def model_forward(self, *args, **kwargs):
         count[0] += 1
-        if count[0] in calls:
-            out.loss = out.loss * float("nan")
+        state["armed"] = count[0] in calls
+        return forward(self, *args, **kwargs)
+
+    def ffn(self, x):
+        out = ffn_forward(self, x)
+        if state["armed"]:
+            state["armed"] = False  # once per forward: the first feed-forward reached
+            out = out + float("inf")
         return out
 
-    T5Model.forward = forward
+    T5Model.forward, GatedFFN.forward = model_forward, ffn
     try:
         yield
     finally:
-        T5Model.forward = original
+        T5Model.forward, GatedFFN.forward = forward, ffn_forward
 
 
 @contextlib.contextmanager
-def _signal_after_steps(steps: int | None, train_module):
-    original, count = train_module.train_step, [0]
+def _signal_after_steps(steps: int | None, loop_module):
+    original, count = loop_module.train_step, [0]
 
     def train_step(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -97,11 +112,11 @@ def _signal_after_steps(steps: int | None, train_module):
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, caught by the loop's handler
         return result
 
-    train_module.train_step = train_step
+    loop_module.train_step = train_step
     try:
         yield
     finally:
-        train_module.train_step = original
+        loop_module.train_step = original
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -111,14 +126,21 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def zero_runs(shards, tmp_path_factory) -> dict[int | str, Path]:
     """In one TP 1 x DP 2 group, fp32, the same seed and data: {stage: run_dir} for ZeRO 0-3, "stopped":
-    ZeRO 1 ended by train.exit_after=3, "nan": ZeRO 1 with NaN losses injected (exits EXIT_DIVERGED)."""
+    ZeRO 1 ended by train.exit_after=3; inf activations in micro batch 2 of 4 of step 2 at ZeRO 0 and ZeRO 1
+    (fp32) and bf16, each beside its clean twin; "diverge": ZeRO 1 with three overflows (exits EXIT_DIVERGED)."""
     root = tmp_path_factory.mktemp("zero")
     base = [*COMMON, *data_overrides(shards)]
     runs = [(str(root / f"zero{s}"), [*base, f"zero.stage={s}"], None) for s in range(4)]
     runs.append((str(root / "stopped"), [*base, "zero.stage=1", "train.exit_after=3"], None))
-    runs.append((str(root / "nan"), [*base, "zero.stage=1", "checkpoint.every=2", "train.max_skipped_steps=2"], "nan"))
-    assert run_distributed(_train_each, 2, runs) == [[0] * 5 + [EXIT_DIVERGED]] * 2
-    return {**{s: root / f"zero{s}" for s in range(4)}, "stopped": root / "stopped", "nan": root / "nan"}
+    # micro batch 1 x accumulation 4 x DP 2: forward calls 5-8 of rank 1 are step 2, call 6 its micro batch 2
+    accumulate = ["train.micro_batch=1", "eval.every=0", "train.steps=4"]
+    for name, extra in INF_VARIANTS.items():
+        runs.append((str(root / f"clean_{name}"), [*base, *accumulate, *extra], None))
+        runs.append((str(root / f"inf_{name}"), [*base, *accumulate, *extra], ("inf", {6})))
+    runs.append((str(root / "diverge"), [*base, "zero.stage=1", "checkpoint.every=2", "train.max_skipped_steps=2"],
+                 "diverge"))
+    assert run_distributed(_train_each, 2, runs) == [[0] * (5 + 2 * len(INF_VARIANTS)) + [EXIT_DIVERGED]] * 2
+    return {p.name if not p.name.startswith("zero") else int(p.name[4:]): p for p in root.iterdir()}
 
 
 def test_loss_falls_on_real_text(zero_runs):
@@ -171,7 +193,8 @@ def test_metrics_contract_and_tensorboard_read_back(zero_runs):
 def tp_runs(shards, tmp_path_factory) -> dict[str, Path]:
     """vanilla and mixture at TP 1 (world 1) and TP 2 (world 2), DP 1 in both, so the data is the same.
 
-    The TP 2 group also resumes the TP 1 mixture run from its step 4 (layout change: universal checkpoint).
+    The TP 2 group also resumes the TP 1 mixture run from its step 4 (layout change: universal checkpoint), in
+    two starts of the same command (a requeue after train.exit_after).
     The vocabulary is padded to 1280 = 128 x 2 x 5 so that it splits over TP 2.
     """
     root = tmp_path_factory.mktemp("tp")
@@ -181,9 +204,12 @@ def tp_runs(shards, tmp_path_factory) -> dict[str, Path]:
     tp1 = [(str(root / f"{name}_tp1"), [*base, *extra], None) for name, extra in variants.items()]
     assert run_distributed(_train_each, 1, tp1) == [[0, 0]]
     tp2 = [(str(root / f"{name}_tp2"), [*base, *extra, "parallel.tensor=2"], None) for name, extra in variants.items()]
+    # resumed from the TP 1 run's step 4, stopped after 2 steps, then requeued with the same command line: the
+    # second start continues from the run's own step 6, not from checkpoint.resume's step 4 again
     resumed = (str(root / "mixture_resumed_tp2"), [*base, *variants["mixture"], "parallel.tensor=2",
-                                                   f"checkpoint.resume={root / 'mixture_tp1'}/checkpoints/step_4"], None)
-    assert run_distributed(_train_each, 2, [*tp2, resumed]) == [[0, 0, 0]] * 2
+                                                   f"checkpoint.resume={root / 'mixture_tp1'}/checkpoints/step_4",
+                                                   "train.exit_after=2"], None)
+    assert run_distributed(_train_each, 2, [*tp2, resumed, resumed]) == [[0, 0, 0, 0]] * 2
     return {p.name: p for p in root.iterdir()}
 
 
@@ -200,46 +226,51 @@ def test_resume_on_another_tp_layout_continues_the_curve(tp_runs):
     reference = losses(tp_runs["mixture_tp1"])[4:]
     torch.testing.assert_close([r["loss"] for r in resumed], reference, rtol=1e-5, atol=0)
     assert (tp_runs["mixture_tp1"] / "checkpoints" / "step_4_universal" / "zero").is_dir()
+    assert sorted(p.name for p in (tp_runs["mixture_resumed_tp2"] / "checkpoints").glob("step_*")) == ["step_6",
+                                                                                                    "step_8"]
 
 
 # ------------------------------------------------------------------------------------------------------
 # Faults and exact resume: stop (exit_after) -> killed during a save -> SIGTERM -> finish == uninterrupted
 # ------------------------------------------------------------------------------------------------------
-_KILL_IN_COMMIT = """
+_HALF_WRITTEN = """
 import os, signal, sys
-from pretrain.checkpoint import CheckpointManager
-def commit(self, tag):  # every rank has written its files for `tag`; die before `latest` moves
-    os.kill(os.getpid(), signal.SIGKILL)
-CheckpointManager._commit = commit
+from pretrain import checkpoint
+original = checkpoint._save_torch
+def save(obj, path):  # rank 1 dies with its data-position file half written
+    original(obj, path)
+    if os.environ["RANK"] == "1" and path.name.startswith("data_dp"):
+        os.truncate(path, path.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._save_torch = save
 from pretrain.train import main
 sys.exit(main())
 """
+TRAIN = "import sys; from pretrain.train import main; sys.exit(main())"
 
 
-def launch_like_srun(world_size: int, code: str, argv: list[str]) -> list[int]:
-    """`world_size` processes of `python -c code argv` with the launcher's variables; their exit codes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, start_new_session=True, env={
-            **os.environ, "RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-        for r in range(world_size)
-    ]
-    return [p.wait() for p in procs]
+def _disk_full() -> None:
+    """A 1 MB limit on every file the process writes (checkpoint shards are ~2 MB): writes fail with EFBIG."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
 
 
-def test_stop_kill_preempt_resume_equals_uninterrupted(zero_runs, shards):
+def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shards):
     run = zero_runs["stopped"]
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_3"  # exit_after=3 saved and stopped
     overrides = [*COMMON, *data_overrides(shards), "zero.stage=1"]
-    # killed (SIGKILL, every rank) while saving step 4: step_4 is written but never committed; launched as
-    # `srun` does, with a DataLoader worker process (the same batches as none, see data_overrides)
+    # launched as `srun` does, with a DataLoader worker process (the same batches as none, see data_overrides):
+    # rank 1 is killed with a file half written while saving step 4; rank 0 fails instead of hanging
     argv = ["--config", TINY, f"run.dir={run}", *COMMON, *data_overrides(shards, workers=1), "zero.stage=1"]
-    assert launch_like_srun(2, _KILL_IN_COMMIT, argv) == [-signal.SIGKILL] * 2
-    assert (checkpoints / "step_4" / "trainer_state.json").is_file()
+    codes = [code for code, _ in launch_like_srun(2, _HALF_WRITTEN, argv, cwd=REPO)]
+    assert codes == [EXIT_FAILED, -signal.SIGKILL]
+    assert not (checkpoints / "step_4" / "complete.json").exists()
+    assert (checkpoints / "latest").read_text().strip() == "step_3"
+    # the disk fills up during the next save of step 4: every rank fails, `latest` stays
+    results = launch_like_srun(2, TRAIN, argv, cwd=REPO, preexec_fn=_disk_full)
+    assert [code for code, _ in results] == [EXIT_FAILED] * 2
+    assert "is the disk full or over quota" in results[0][1]
     assert (checkpoints / "latest").read_text().strip() == "step_3"
     # resume from step 3 (auto), rank 1 gets SIGTERM after its second step: all ranks save step 5 and exit;
     # then run again to the end; then a resume that changed the model shape is refused
@@ -255,34 +286,29 @@ def test_stop_kill_preempt_resume_equals_uninterrupted(zero_runs, shards):
     assert [r.get("eval_loss") for r in records] == [r.get("eval_loss") for r in read_metrics(zero_runs[1])]
 
 
-def test_nan_loss_is_skipped_then_stops_the_run(zero_runs):
-    run = zero_runs["nan"]
+@pytest.mark.parametrize("variant", list(INF_VARIANTS))
+def test_inf_activation_skips_the_whole_step_everywhere(zero_runs, variant):
+    clean, run = read_metrics(zero_runs[f"clean_{variant}"]), read_metrics(zero_runs[f"inf_{variant}"])
+    assert [(r["step"], r["skipped_steps"]) for r in run] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    assert run[0]["loss"] == clean[0]["loss"]  # step 1 is untouched
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in run)
+    # the skipped attempt advanced neither the LR schedule nor the step count: step t still uses lr(t)
+    assert [r["lr"] for r in run] == [r["lr"] for r in clean] == pytest.approx([3e-3 * t / 10 for t in range(1, 5)])
+    assert run[-1]["tokens_seen"] == 5 * 8 * (64 + 14)  # the skipped step's batches were consumed
+    step4 = zero_runs[f"inf_{variant}"] / "checkpoints" / "step_4"
+    deepspeed_state = torch.load(step4 / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
+    # the trainer's count is DeepSpeed's: 5 optimizer calls, 1 of them not applied
+    assert (deepspeed_state["global_steps"], deepspeed_state["skipped_steps"]) == (5, 1)
+    assert json.loads((step4 / "trainer_state.json").read_text())["skipped_steps"] == 1
+    weights = deepspeed_state["module"]
+    assert weights and all(torch.isfinite(w.float()).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_repeated_overflows_stop_the_run_on_the_last_good_checkpoint(zero_runs):
+    run = zero_runs["diverge"]
     records = read_metrics(run)
-    # forward calls 1, 2 -> steps 1, 2 (checkpoint); 3 NaN (skipped); 4 -> step 3; 5, 6 NaN -> stop naming step 4
+    # forward calls 1, 2 -> steps 1, 2 (checkpoint); 3 inf (skipped); 4 -> step 3; 5, 6 inf -> stop naming step 4
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 0), (2, 0), (3, 1)]
     assert records[2]["lr"] == pytest.approx(3e-3 * 3 / 10)  # the skipped step did not advance the schedule
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
-
-
-_DIE_AFTER_TWO_STEPS = """
-import os, signal, sys
-from pretrain import train
-original, count = train.train_step, [0]
-def train_step(*args, **kwargs):
-    result = original(*args, **kwargs)
-    count[0] += 1
-    if count[0] == 2 and os.environ["RANK"] == "1":
-        os.kill(os.getpid(), signal.SIGKILL)  # a node lost mid-run
-    return result
-train.train_step = train_step
-sys.exit(train.main())
-"""
-
-
-def test_a_dead_rank_makes_the_others_fail_instead_of_hanging(shards, tmp_path):
-    # the survivor blocks in the next step's collective; the process-group timeout (or gloo's closed
-    # connection, whichever comes first) turns that into an error and exit code 1, never a hang
-    argv = ["--config", TINY, f"run.dir={tmp_path}", *COMMON, *data_overrides(shards), "parallel.timeout_s=30"]
-    assert launch_like_srun(2, _DIE_AFTER_TWO_STEPS, argv) == [EXIT_FAILED, -signal.SIGKILL]
-    assert not (tmp_path / "checkpoints" / "latest").exists()

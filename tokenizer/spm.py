@@ -11,6 +11,8 @@ from typing import Sequence
 
 import sentencepiece as spm
 
+from pretrain.config import UsageError
+
 NUM_SENTINELS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
@@ -26,12 +28,16 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"tokenizer model not found: {path}; train one with `python -m tokenizer.train`")
+            raise UsageError(f"tokenizer model not found: {path}; train one with `python -m tokenizer.train`")
         self.path = path
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:  # sentencepiece's parse error for a file of another kind
+            raise UsageError(f"{path} is not a SentencePiece model ({str(e).strip().splitlines()[0]}); point "
+                             "data.tokenizer at the spiece.model of `python -m tokenizer.train`") from None
         got = (self.sp.pad_id(), self.sp.eos_id(), self.sp.unk_id(), self.sp.bos_id())
         if got != (PAD_ID, EOS_ID, UNK_ID, -1):
-            raise ValueError(
+            raise UsageError(
                 f"{path} has pad/eos/unk/bos ids {got}, T5 needs (0, 1, 2, -1); retrain with `python -m tokenizer.train`"
             )
         self.num_pieces = self.sp.get_piece_size()

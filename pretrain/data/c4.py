@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from pretrain.config import UsageError
+
 log = logging.getLogger(__name__)
 
 BAD_KINDS = ("invalid_json", "non_utf8", "missing_text", "truncated_gzip")
@@ -37,9 +39,11 @@ def expand_glob(pattern: str) -> list[str]:
 
 def read_documents(path: str | Path, bad: Counter) -> Iterator[dict]:
     """Documents of one C4 file in order; damaged lines (and a truncated tail) are skipped and counted in `bad`."""
+    started = False
     try:
         with gzip.open(path, "rb") as f:
             for line in f:
+                started = True
                 if not line.strip():
                     continue
                 try:
@@ -56,6 +60,8 @@ def read_documents(path: str | Path, bad: Counter) -> Iterator[dict]:
                     continue
                 yield doc
     except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
+        if not started:  # not damage partway through: the file is not gzip (or not readable) at all
+            raise UsageError(f"{path} is not a gzip file of JSON lines ({e}); C4 files are *.json.gz") from None
         # the documents before the damage were yielded; the rest of the file is unreadable
         bad["truncated_gzip"] += 1
         log.warning("%s: stopped reading at damaged gzip data (%s)", path, e)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from pretrain.config import UsageError
 from pretrain.data.remote import redact
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
@@ -88,6 +89,10 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
             errors.append(exn)
             n = first
             break
+        if len(tokens) and int(tokens.max()) >= spec.num_ids:
+            # ids the embedding does not hold: an IndexError at TP 1, silently zero embeddings at TP > 1
+            raise UsageError(f"shard {redact(url)} holds token id {int(tokens.max())}, beyond the {spec.num_ids} ids of "
+                             "data.tokenizer: it was prepared with another tokenizer; prepare it again with this one")
         yield first, tokens, lengths
     expected = spec.expected_docs[spec.shards.index(url)] if spec.expected_docs else None
     if errors or (expected is not None and n < expected):
@@ -163,7 +168,8 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
                 yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
             nxt = 0
         if not produced:
-            raise RuntimeError(f"DP rank {spec.dp_rank} worker {stream} has no readable data in {shards}")
+            raise UsageError(f"DP rank {spec.dp_rank} worker {stream} has no readable data in its {len(shards)} shards "
+                             f"(all damaged or empty: {redact(shards[0])}, ...); check data.train")
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
 

@@ -1,0 +1,222 @@
+"""The one training loop of every job. Pretraining (`pretrain.train`) and fine-tuning (`pretrain.finetune`) differ
+in setup (data, model, evaluation); a step, a skipped step, a metrics line, a save, an evaluation and a signal
+work the same in both, here.
+
+Each step: `train_step` (forward/backward of every micro batch, one optimizer step); then, in this order, the
+metrics record (`Meter`), the checkpoint (`CheckpointManager.maybe_save`), the evaluation (`Evaluator`), so a
+failing evaluation never loses the step's checkpoint; then the preemption signal (agreed by every rank) ends
+the run with EXIT_PREEMPTED after that checkpoint.
+
+A step counts only when DeepSpeed applied it (`engine.was_step_applied()`). A non-finite activation in any micro
+batch makes that micro batch's loss and the accumulated gradients non-finite; the optimizer then skips the whole
+step on every rank: DeepSpeed's ZeRO and bf16/fp16 optimizers check their (DP-reduced) gradients themselves,
+the plain fp32 ZeRO-0 optimizer through `install_skip_guard`. A skipped step neither updates weights nor moments
+nor the LR schedule; it is counted (`skipped_steps`), its batches are consumed, and the same step number is tried
+again with the next ones. No micro batch waits on the host: losses stay on the device until a metrics line.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator, Protocol
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import get_global_norm_of_tensors
+from megatron.core import parallel_state
+
+from pretrain.checkpoint import CheckpointManager, Progress
+from pretrain.config import TrainConfig, UsageError
+from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
+from pretrain.metrics import MetricsLogger, peak_memory_bytes
+from pretrain.parallel import ParallelDims
+
+log = logging.getLogger(__name__)
+
+
+def check_train_config(train: TrainConfig, log_every: int) -> None:
+    """Single-number rules of the loop's settings, before anything is allocated."""
+    for key, value, low in (("train.steps", train.steps, 1), ("log.every", log_every, 1),
+                            ("train.exit_after", train.exit_after, 0),
+                            ("train.max_skipped_steps", train.max_skipped_steps, 0)):
+        if value < low:
+            raise UsageError(f"{key} ({value}) must be >= {low}")
+
+
+def to_device(batches: Iterable[dict], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches on `device`; from pinned host memory on CUDA, so the copy is asynchronous (a pageable source
+    makes `non_blocking` copies synchronous)."""
+    for batch in batches:
+        if device.type == "cuda":
+            batch = {k: v.pin_memory() if not v.is_pinned() else v for k, v in batch.items()}
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One step
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool  # DeepSpeed applied the update
+    loss: torch.Tensor  # [] mean loss over the step's micro batches and DP ranks, on the device
+    grad_norm: torch.Tensor | float  # global norm before clipping (over DP and TP)
+    lr: float  # the learning rate this step used (the engine's)
+    tokens: int  # input + target tokens of the step over all DP ranks (padded; from the shapes, no sync)
+
+
+def install_skip_guard(engine) -> bool:
+    """Give the plain fp32 optimizer (ZeRO 0, no loss scaling) the `overflow` flag that DeepSpeed's other
+    optimizers set when their gradients are non-finite: `engine.step()` then skips the update and the LR schedule
+    and reports `was_step_applied() == False`, as it does for them. True if the guard was installed."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "overflow"):
+        return False
+    step = optimizer.step
+
+    def guarded_step(*args, **kwargs):
+        return None if optimizer.overflow else step(*args, **kwargs)
+
+    optimizer.overflow, optimizer.skip_guard = False, True
+    optimizer.step = guarded_step
+    return True
+
+
+def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims) -> StepResult:
+    """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
+    saw a non-finite loss or gradient)."""
+    lr = engine.get_lr()[0]
+    loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
+    tokens, grad_norm = 0, None
+    for micro in range(accumulation):
+        batch = next(batches)
+        tokens += batch["input_ids"].numel() + batch["labels"].numel()
+        loss = engine(**batch).loss
+        loss_sum += loss.detach().float()
+        engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
+        if micro == accumulation - 1:
+            # [] summed over DP ranks: non-finite everywhere if it is anywhere (TP ranks share the loss)
+            dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+            if getattr(engine.optimizer, "skip_guard", False):
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                grad_norm = get_global_norm_of_tensors(grads, mpu=engine.mpu)  # over TP; DP-reduced already
+                # the step's one device-to-host sync, only on the path whose optimizer does not check itself
+                engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
+        engine.step()
+    applied = engine.was_step_applied()
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm() if applied else float("nan")
+    return StepResult(applied, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp)
+
+
+def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
+    """`mixture/<layer>/<mixer>`: how much each layer trusts each attention mixer (softmax weights)."""
+    params = [p for name, p in model.named_parameters() if ".mix" in name]
+    with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):  # ZeRO-3 holds only shards
+        weights = model.mixture_weights()
+    out = {}
+    for layer, w in weights.items():
+        mixers = model.mixers[layer.split(".")[0]]
+        per_mixer = w if w.dim() == 1 else w.mean(dim=0)  # per-head weights: the mean over heads
+        out.update({f"mixture/{layer}/{name}": float(v) for name, v in zip(mixers, per_mixer)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics cadence and the step line
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Meter:
+    """Collects applied steps and turns them into a metrics record every `every` steps (and at the last)."""
+
+    every: int
+    steps: int  # the run's train.steps (for the ETA)
+    samples_per_step: int  # the global batch
+    flops_per_step: float = 0.0  # model FLOPs of one step (0: MFU not reported)
+    job_peak_flops: float = 0.0
+    extra: Callable[[], dict[str, float]] = dict  # e.g. the mixture weights
+    window: list[StepResult] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, result: StepResult) -> None:
+        self.window.append(result)
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.window) and (last or step % self.every == 0)
+
+    def record(self, progress: Progress, device: torch.device) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        n = len(self.window)
+        step_time = elapsed / n
+        record = {
+            "loss": torch.stack([r.loss for r in self.window]).mean().item(),  # the one sync of a log step
+            "lr": self.window[-1].lr,
+            "grad_norm": float(self.window[-1].grad_norm),
+            "tokens_per_s": sum(r.tokens for r in self.window) / elapsed,
+            "samples_per_s": self.samples_per_step / step_time,
+            "step_time_s": step_time,
+            "memory_gb": peak_memory_bytes(device) / 2**30,
+            "tokens_seen": progress.tokens_seen,
+            "skipped_steps": progress.skipped_steps,
+        }
+        if self.flops_per_step and self.job_peak_flops:
+            record["mfu"] = self.flops_per_step / step_time / self.job_peak_flops
+        record.update(self.extra())
+        eta = timedelta(seconds=round(step_time * (self.steps - progress.step)))
+        mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+        log.info("step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.3f s/step  ETA %s  %.0f tokens/s%s  "
+                 "mem %.2f GiB  tokens %.3g", progress.step, self.steps, record["loss"], record["lr"],
+                 record["grad_norm"], step_time, eta, record["tokens_per_s"], mfu, record["memory_gb"],
+                 progress.tokens_seen)
+        self.window, self.start = [], time.perf_counter()
+        return record
+
+
+class Evaluator(Protocol):
+    """A job's evaluation: when it is due, and the scalars it adds to that step's metrics record."""
+
+    def due(self, step: int, last: bool) -> bool: ...
+
+    def __call__(self, step: int, last: bool) -> dict[str, float]: ...
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------
+def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
+             progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
+             evaluator: Evaluator | None = None) -> int:
+    """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
+    EXIT_PREEMPTED after a checkpoint when SIGTERM/SIGUSR1 arrived on any rank."""
+    install_skip_guard(engine)
+    preemption = PreemptionFlag()
+    steps_this_run = 0
+    while progress.step < train.steps:
+        result = train_step(engine, batches, accumulation, dims)
+        progress.tokens_seen += result.tokens
+        if result.applied:
+            progress.step += 1
+            steps_this_run += 1
+            meter.add(result)
+        else:
+            progress.skipped_steps += 1
+            check_skip_budget(progress.step + 1, progress.skipped_steps, train.max_skipped_steps)
+        last = progress.step == train.steps or steps_this_run == train.exit_after
+        preempted = preemption.agreed(dims.device)
+        record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
+        if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
+            checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+        if result.applied and evaluator is not None and evaluator.due(progress.step, last):
+            record.update(evaluator(progress.step, last))
+        if record:
+            metrics.write(progress.step, record)
+        if preempted:
+            log.warning("preempted by signal %s at step %d: checkpoint saved, exiting %d", preemption.received,
+                        progress.step, EXIT_PREEMPTED)
+            return EXIT_PREEMPTED
+        if last:
+            break
+    log.info("stopped at step %d of %d", progress.step, train.steps)
+    return EXIT_OK

@@ -1,0 +1,142 @@
+"""Faults as they happen, on real 2-process jobs launched like srun/torchrun, with a DataLoader worker per rank:
+every way a rank can end ends every process of the job, non-zero, with the first error shown once (a traceback
+for a bug, one line for a user mistake, one line on the ranks that only lost their peer).
+
+`launch_like_srun` fails a test whose job does not end (a hang) instead of waiting forever."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.faults import EXIT_FAILED, EXIT_USAGE
+from tests.distributed import _free_port, launch_like_srun, run_distributed
+from tests.test_train import COMMON, REPO, TINY, data_overrides
+
+PEER_LINE = "another rank failed first"
+
+_AFTER_TWO_STEPS = """
+import multiprocessing, os, signal, sys
+from pretrain import loop
+original, count = loop.train_step, [0]
+def train_step(*args, **kwargs):
+    result = original(*args, **kwargs)
+    count[0] += 1
+    if count[0] == 2 and os.environ["RANK"] == RANK:
+        FAULT
+    return result
+loop.train_step = train_step
+from pretrain.train import main
+sys.exit(main())
+"""
+
+
+def _code(rank: int, fault: str) -> str:
+    return _AFTER_TWO_STEPS.replace("RANK", repr(str(rank)), 1).replace("FAULT", fault)
+
+
+def _argv(run_dir: Path, shards, *extra: str) -> list[str]:
+    return ["--config", TINY, f"run.dir={run_dir}", *COMMON, *data_overrides(shards, workers=1),
+            "parallel.timeout_s=30", *extra]
+
+
+def test_a_killed_rank_ends_the_job(shards, tmp_path):
+    # a node lost mid-run: the survivor's next collective fails (closed connection or the timeout), it says so
+    # in one line and exits 1; its loader worker does not keep it alive
+    results = launch_like_srun(2, _code(1, "os.kill(os.getpid(), signal.SIGKILL)"), _argv(tmp_path, shards), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_FAILED, -signal.SIGKILL]
+    assert PEER_LINE in results[0][1] and "Traceback" not in results[0][1]
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_an_error_on_one_rank_ends_every_rank_and_shows_once(shards, tmp_path):
+    results = launch_like_srun(2, _code(1, "raise RuntimeError('injected fault')"), _argv(tmp_path, shards), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_FAILED, EXIT_FAILED]
+    assert results[1][1].count("Traceback") == 1 and "RuntimeError: injected fault" in results[1][1]
+    assert PEER_LINE in results[0][1] and "injected fault" not in results[0][1]
+
+
+def test_a_killed_loader_worker_ends_the_job(shards, tmp_path):
+    kill_worker = "os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)"
+    results = launch_like_srun(2, _code(0, kill_worker), _argv(tmp_path, shards), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_FAILED, EXIT_FAILED]
+    assert "DataLoader worker" in results[0][1] and PEER_LINE in results[1][1]
+
+
+def test_no_readable_data_is_one_line_on_every_rank(shards, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(shards.train, damaged)
+    for shard in damaged.glob("*.tar"):
+        shard.write_bytes(os.urandom(shard.stat().st_size))  # garbage of the same size: no pack survives
+    results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
+                               _argv(tmp_path / "run", shards, f"data.train={damaged}"), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_USAGE, EXIT_USAGE]
+    for _, err in results:
+        line = [l for l in err.splitlines() if "error:" in l]
+        assert len(line) == 1 and "has no readable data" in line[0], err[-2000:]
+        assert "Traceback" not in err
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
+    # the first job holds run.dir's lock while it sleeps after its second step
+    sleeper = _code(0, "time.sleep(3600)").replace("import multiprocessing", "import multiprocessing, time")
+    holder = subprocess.Popen([sys.executable, "-c", sleeper, *_argv(tmp_path, shards, "data.workers=0")], cwd=REPO,
+                              env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                                   "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 900  # a hang guard only: the first job needs a few seconds
+        while not (tmp_path / "metrics.jsonl").exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert holder.poll() is None, holder.stderr.read()
+        results = launch_like_srun(1, "import sys; from pretrain.train import main; sys.exit(main())",
+                                   _argv(tmp_path, shards), cwd=REPO)
+        assert results[0][0] == EXIT_USAGE
+        assert f"is in use by another job (pid {holder.pid}" in results[0][1]
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone (killed): its lock is stale and the next job takes it over, saying so
+    results = launch_like_srun(1, "import sys; from pretrain.train import main; sys.exit(main())",
+                               _argv(tmp_path, shards, "data.workers=0", "train.steps=3"), cwd=REPO)
+    assert results[0][0] == 0, results[0][1][-2000:]
+    assert f"taking over the stale lock of pid {holder.pid}" in results[0][1]
+
+
+def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
+    """Rank 0 waits in a collective of megatron's group that rank 1 never joins; rank 1 waits for rank 0's
+    verdict. With parallel.timeout_s=3 rank 0 fails within seconds; with megatron's default it would wait 30 min
+    (and rank 1's 300 s guard would report it)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from pretrain.config import ParallelConfig
+    from pretrain.parallel import init_distributed
+
+    init_distributed(ParallelConfig(tensor=tensor, timeout_s=3), seed=0)
+    group = parallel_state.get_tensor_model_parallel_group() if tensor == 2 else \
+        parallel_state.get_data_parallel_group()
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            verdict = "completed"
+        except RuntimeError as e:
+            verdict = "timed out" if "imed out" in str(e) else f"failed: {e}"
+        Path(flag).write_text(verdict)
+        return verdict
+    deadline = time.monotonic() + 300
+    while not Path(flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return Path(flag).read_text() if Path(flag).exists() else "rank 0 still waiting after 300 s"
+
+
+@pytest.mark.parametrize("tensor", [1, 2], ids=["dp-group", "tp-group"])
+def test_model_parallel_groups_get_the_configured_timeout(tmp_path, tensor):
+    assert run_distributed(_timeout_of, 2, tensor, str(tmp_path / "flag")) == ["timed out"] * 2
