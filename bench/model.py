@@ -8,7 +8,10 @@ Prints, all measured in this one run (absolute numbers vary between machines; ra
 - a full train step (forward, backward, fused AdamW) of our vanilla model against HuggingFace's
   `T5ForConditionalGeneration` with the same weights, config and batch (inputs 512, targets 114), steps
   interleaved so load changes hit both alike; and our step's model GFLOP/s (pretrain.model.flops) as a
-  fraction of the matmul rate.
+  fraction of the matmul rate;
+- the same step ratio with flush-to-zero on for both models (`torch.set_flush_denormal(True)`, one thread:
+  the flag sets only the calling thread's FPU mode), the fair comparison on CPUs where subnormal floats
+  take a slow path (HF's LM-head gradient makes many; ours floors them, see pretrain/model/loss.py).
 Targets: our step / HF step <= 1.0 (aim 0.8); random, factorized_random <= 0.7 x vanilla; step > 40% of matmul.
 """
 from __future__ import annotations
@@ -28,13 +31,18 @@ from pretrain.model.flops import flops_per_sequence
 from pretrain.model.hf_convert import hf_config, to_hf_state_dict
 from pretrain.parallel import init_single_process
 
-SMALL = ModelConfig()  # T5 v1.1 small: d_model 512, d_ff 1024, 6 x 64 heads, 8 + 8 layers, vocab 32128, N 512
+SMALL = ModelConfig(vocab_size=32128)  # T5 v1.1 small: d_model 512, d_ff 1024, 6 x 64 heads, 8 + 8 layers, N 512
 
 
 def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
 
 
 def matmul_gflops(reps: int) -> float:
@@ -69,7 +77,20 @@ def attention_times(batch: int, reps: int, padded: bool) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def train_step_times(batch: int, reps: int) -> tuple[float, float]:
+def train_step_times(batch: int, reps: int, flush_denormal: bool = False) -> tuple[float, float]:
+    """Median seconds per step (ours, HF); `flush_denormal`: one thread with subnormals flushed to zero."""
+    threads = torch.get_num_threads()
+    if flush_denormal:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+    try:
+        return _train_step_times(batch, reps)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
+def _train_step_times(batch: int, reps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     ours = build_local_model(SMALL).train()
     hf = T5ForConditionalGeneration(hf_config(SMALL)).train()
@@ -85,7 +106,7 @@ def train_step_times(batch: int, reps: int) -> tuple[float, float]:
     opt_ours, opt_hf = torch.optim.AdamW(ours.parameters(), fused=True), torch.optim.AdamW(hf.parameters(), fused=True)
 
     def step_ours():
-        ours(ids, mask, dec, labels).loss.backward()
+        ours(ids, None, dec, labels).loss.backward()  # unpadded: no mask, as the pretraining collator sends it
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
 
@@ -108,7 +129,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (inputs 512, targets 114)")
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions (median); one warm-up extra")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, batch {args.batch}")
+    print(f"{_cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, batch {args.batch}")
     rate = matmul_gflops(5)
     print(f"matmul 2048^3: {rate:.1f} GFLOP/s")
 
@@ -127,6 +148,8 @@ def main() -> None:
     print(f"ours {ours:.2f} s, HuggingFace {hf:.2f} s, ratio ours/HF {ours / hf:.2f}")
     print(f"ours {flops / ours / 1e9:.1f} model GFLOP/s = {flops / ours / 1e9 / rate:.0%} of measured matmul rate "
           f"(HF {flops / hf / 1e9 / rate:.0%})")
+    ours, hf = train_step_times(args.batch, args.reps, flush_denormal=True)
+    print(f"flush-to-zero on, 1 thread: ours {ours:.2f} s, HuggingFace {hf:.2f} s, ratio ours/HF {ours / hf:.2f}")
 
 
 if __name__ == "__main__":
