@@ -1,23 +1,38 @@
-"""Throughput of the real training step (DeepSpeed engine: forward, backward, clipping, AdamW) for every
-attention variant: tokens/s and model FLOPs utilisation (pretrain.model.flops against the device peak).
+"""Throughput of the trainer's own step (`pretrain.loop.train_step`: DeepSpeed forward, backward, the step's
+DP all-reduce and skip check, clipping, AdamW) for attention variants, per GPU: median step time and its spread,
+tokens/s, model TFLOP/s (pretrain.model.flops), MFU against the device peak, and peak memory.
 
-    .venv/bin/python -m bench.throughput                      # tiny CPU mode (configs/tiny.yaml, fp32): CI
-    python -m bench.throughput --config configs/base.yaml --precision bf16 --micro-batch 32   # on a GPU
+    .venv/bin/python -m bench.throughput                          # CPU, configs/tiny.yaml, fp32 (the CI smoke test)
+    torchrun --nproc-per-node 8 -m bench.throughput --config configs/base.yaml --precision bf16 --micro-batch 32
 
-One process, random token ids (the data pipeline is benchmarked in bench/data.py). The peak is
-`log.peak_flops` if set, a data-sheet figure on known GPUs, or this CPU's measured matmul rate.
+Under torchrun every rank runs the same step (DP = world / TP, global batch = micro x DP, one micro batch per
+step); times are rank 0's (the step's all-reduce keeps ranks in step), memory the largest rank's. Each variant
+gets a fresh model and engine; the previous one is freed first and the peak-memory counter reset (on CPU the
+peak resident set, reset through /proc/self/clear_refs). 5 warm-up steps (allocator, kernels, compilation)
+are not timed; each measured step ends with a device synchronize. Random token ids, unpadded like span-corrupted
+batches (the data pipeline is benchmarked in bench/data.py). The peak is `log.peak_flops` if set, a data-sheet
+figure on known GPUs, or this CPU's measured matmul rate. `--sdpa both` times vanilla attention through SDPA
+and through materialised logits; `--out FILE` also writes the table as markdown.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import itertools
+import os
+import socket
+import statistics
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pretrain.config import Config, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_engine
+from pretrain.loop import install_skip_guard, to_device, train_step
 from pretrain.metrics import peak_flops
 from pretrain.model import build_model
 from pretrain.model.flops import flops_per_sequence
@@ -25,13 +40,15 @@ from pretrain.parallel import destroy_distributed, init_distributed
 
 VARIANTS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random",
             "random+vanilla", "dense+vanilla")
+SDPA = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
 
 
-def _batch(micro_batch: int, input_length: int, target_length: int, vocab: int, device) -> dict:
+def _batch(micro_batch: int, input_length: int, target_length: int, vocab: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(2, vocab, (micro_batch, n), generator=g).to(device)  # noqa: E731
-    return {"input_ids": ids(input_length), "attention_mask": torch.ones(micro_batch, input_length, dtype=torch.long,
-            device=device), "decoder_input_ids": ids(target_length), "labels": ids(target_length)}
+    ids = lambda n: torch.randint(2, vocab, (micro_batch, n), generator=g)  # noqa: E731
+    labels = ids(target_length)
+    decoder_input_ids = torch.cat([torch.zeros(micro_batch, 1, dtype=torch.long), labels[:, :-1]], dim=1)
+    return {"input_ids": ids(input_length), "decoder_input_ids": decoder_input_ids, "labels": labels}
 
 
 def _sync(device: torch.device) -> None:
@@ -39,43 +56,111 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets the peak resident set (VmHWM) of this process (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the column is the process's peak so far
+
+
+def _peak_memory(device: torch.device) -> float:
+    """Peak bytes of this variant, the largest over ranks: allocated on GPU, resident set on CPU."""
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device))
+    else:
+        status = Path("/proc/self/status").read_text()
+        peak = float(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+    t = torch.tensor(peak, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _label(variant: str, sdpa: bool | None) -> str:
+    if sdpa is None or "vanilla" not in variant:
+        return variant
+    return f"{variant} ({'sdpa' if sdpa else 'materialised'})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: the config's)")
-    parser.add_argument("--micro-batch", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    args = parser.parse_args()
+    parser.add_argument("--sdpa", choices=sorted(SDPA), default="auto",
+                        help="vanilla attention: auto (SDPA on GPU), on, off (materialised logits), both")
+    parser.add_argument("--activation-checkpointing", default=None, help="none, full or selective (default: config)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer (train.compile)")
+    parser.add_argument("--out", default=None, help="also write the table to this markdown file (rank 0)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(Config, args.config)
     precision = args.precision or cfg.precision
     micro = args.micro_batch or cfg.train.micro_batch
-    train = dataclasses.replace(cfg.train, micro_batch=micro, global_batch=micro)
+    checkpointing = args.activation_checkpointing or cfg.train.activation_checkpointing
+    if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
+        # run without a launcher: a 1-process group on a free port (torchrun's default 29500 may be taken)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dims = init_distributed(cfg.parallel, cfg.run.seed)
+    train = dataclasses.replace(cfg.train, micro_batch=micro, global_batch=micro * dims.dp)
     input_length = cfg.data.input_length
     target_length = input_and_target_lengths(input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)[1]
+    vocab = cfg.model.vocab_size or 32128  # 0 means the tokenizer's: T5's 32100 ids padded
     peak = peak_flops(cfg.log.peak_flops, dims.device)
     device_name = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else "CPU"
-    print(f"{args.config}: {device_name}, {precision}, micro batch {micro}, inputs {input_length} / targets "
-          f"{target_length}, peak {peak / 1e12:.3g} TFLOP/s")
-    print(f"{'variant':>18} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7}")
-    batch = _batch(micro, input_length, target_length, min(cfg.model.vocab_size, 32000), dims.device)
-    for variant in args.variants:
-        model_cfg = dataclasses.replace(cfg.model, encoder_attention=variant, decoder_attention=variant)
-        engine = build_engine(build_model(model_cfg, cfg.train.activation_checkpointing), train, cfg.zero, precision,
-                              dims.dp)
-        for step in range(args.steps + 1):
-            if step == 1:  # the first step warms up allocators and kernels
-                _sync(dims.device)
-                start = time.perf_counter()
-            engine.backward(engine(**batch).loss)
-            engine.step()
-        _sync(dims.device)
-        step_s = (time.perf_counter() - start) / args.steps
+    header = (f"{args.config}: {device_name}, {precision}, DP {dims.dp} x TP {dims.tp}, micro batch {micro} "
+              f"(global {micro * dims.dp}), inputs {input_length} / targets {target_length}, activation "
+              f"checkpointing {checkpointing}, compile {args.compile}, {args.warmup} warm-up + {args.steps} "
+              f"measured steps, peak {peak / 1e12:.3g} TFLOP/s per device")
+    per = "GPU" if dims.device.type == "cuda" else "process"
+    columns = ("variant", "ms/step (median)", "IQR ms", f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak GiB")
+    rows = []
+    batch = _batch(micro, input_length, target_length, min(vocab, 32000))
+    for variant, sdpa in itertools.product(args.variants, SDPA[args.sdpa]):
+        if sdpa is False and "vanilla" not in variant and args.sdpa == "both":
+            continue  # the same layer as with sdpa on
+        model_cfg = dataclasses.replace(cfg.model, encoder_attention=variant, decoder_attention=variant,
+                                        vocab_size=vocab)
+        gc.collect()
+        if dims.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _reset_peak_memory(dims.device)
+        engine = build_engine(build_model(model_cfg, checkpointing, args.compile, sdpa), train, cfg.zero,
+                              precision, dims.dp)
+        install_skip_guard(engine)
+        batches = to_device(itertools.repeat(batch), dims.device)
+        times = []
+        for step in range(args.warmup + args.steps):
+            _sync(dims.device)
+            start = time.perf_counter()
+            train_step(engine, batches, 1, dims)
+            _sync(dims.device)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+        memory = _peak_memory(dims.device)
+        median = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (median, median, median)
         flops = micro * flops_per_sequence(model_cfg, input_length, target_length)
-        print(f"{variant:>18} {step_s * 1e3:9.1f} {micro * (input_length + target_length) / step_s:10.0f} "
-              f"{flops / step_s / peak:7.1%}")
-        del engine
+        rows.append((_label(variant, sdpa), f"{median * 1e3:.1f}", f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}",
+                     f"{micro * (input_length + target_length) / median:.0f}", f"{flops / median / 1e12:.3g}",
+                     f"{flops / median / peak:.1%}" if peak else "n/a", f"{memory / 2**30:.2f}"))
+        del engine, batches
+    table = "\n".join("| " + " | ".join(r) + " |" for r in [columns, ("---",) * len(columns), *rows])
+    if dims.rank == 0:
+        print(header)
+        print(table, flush=True)
+        if args.out:
+            Path(args.out).write_text(f"{header}\n\n{table}\n")
     destroy_distributed()
 
 
