@@ -12,7 +12,7 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn, Sequence, TypeVar
+from typing import NoReturn, Sequence, TypeVar, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -52,11 +52,14 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 1  # DeepSpeed ZeRO stage 0-3, sharded over the data-parallel group only
+    overlap_comm: bool = True  # overlap the gradient reduction with the backward (ZeRO 1-3)
+    reduce_bucket_size: int = 200_000_000  # elements per gradient reduce-scatter bucket
+    allgather_bucket_size: int = 200_000_000  # elements per parameter all-gather bucket (ZeRO 1-2)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 32128  # embedding rows: the tokenizer's 32100 ids padded to a multiple of 128
+    vocab_size: int = 0  # token ids (0: the tokenizer's); embedding rows are padded to a multiple of 128 x TP
     d_model: int = 512  # hidden width of every layer
     d_ff: int = 1024  # gated-GELU hidden width
     d_kv: int = 64  # per-head width
@@ -78,7 +81,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000  # optimizer steps of the whole schedule
-    micro_batch: int = 8  # sequences per rank per forward pass
+    micro_batch: Union[int, str] = 8  # sequences per rank per forward pass, or auto (the largest that fits, see pretrain.plan)
     global_batch: int = 8  # micro_batch x gradient accumulation x DP
     exit_after: int = 0  # end this run after K steps with a checkpoint (0: run to `steps`)
     optimizer: str = "adamw"  # adamw or adafactor
@@ -170,20 +173,38 @@ def _explain(err: OmegaConfBaseException, schema: type) -> str:
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Build `schema` from its defaults, then the YAML file at `path`, then `section.key=value` overrides."""
+def _with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
+    """The YAML file at `path` after the files its `base:` key names (relative to it), bases first: size
+    configs share one recipe file and state only what differs."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
+    if path.resolve() in seen:
+        raise ConfigError(f"{path} names itself as a base through {', '.join(str(p) for p in seen)}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); is it a config file?") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return [data]
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must name one YAML file, got {base!r}")
+    return _with_bases(path.parent / base, seen + (path.resolve(),)) + [data]
+
+
+    """Build `schema` from its defaults, then the YAML file at `path` (after the files its `base:` names),
+    then `section.key=value` overrides."""
     merged = OmegaConf.structured(schema)
     layers = []
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
-        layers.append(OmegaConf.create(data))
+        layers += [OmegaConf.create(layer) for layer in _with_bases(path)]
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form section.key=value")

@@ -8,6 +8,7 @@ from typing import Any
 
 import deepspeed
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.config import TrainConfig, ZeroConfig
 from pretrain.parallel import deepspeed_mpu
@@ -52,13 +53,19 @@ def build_deepspeed_config(
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": train.grad_clip,  # global norm over DP and TP (the mpu makes it TP-aware)
-        "zero_optimization": {"stage": zero.stage},
+        "zero_optimization": _zero_section(zero),
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 1000},
         "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 2**31 - 1,  # progress lines are ours (pretrain.metrics)
         "wall_clock_breakdown": False,
     }
+    if precision != "fp32" and zero.stage > 0:
+        # gradients accumulate over micro batches and are reduced over DP in fp32, not in bf16/fp16 (whose 8
+        # or 10 mantissa bits drop small contributions); DeepSpeed 0.19 supports an fp32 accumulation for a
+        # half-precision model only with ZeRO (stage 0 raises NotImplementedError)
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        ds["communication_data_type"] = "fp32"
     if train.optimizer == "adamw":
         ds["optimizer"] = {
             "type": "AdamW",
@@ -75,12 +82,36 @@ def build_deepspeed_config(
     return ds
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: norms (and any bias or mixture-weight vector) are 1-D and never decayed."""
+def _zero_section(zero: ZeroConfig) -> dict[str, Any]:
+    section: dict[str, Any] = {"stage": zero.stage}
+    if zero.stage > 0:
+        section.update(overlap_comm=zero.overlap_comm, reduce_bucket_size=zero.reduce_bucket_size,
+                       allgather_bucket_size=zero.allgather_bucket_size)
+    return section
+
+
+_MATRIX_LAYERS = (torch.nn.Linear, torch.nn.Embedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def decays(module: torch.nn.Module, param: torch.nn.Parameter) -> bool:
+    """Weight decay reaches matrices only: the weights of linear maps and embeddings, and per-head matrices
+    ([heads, N, d] and up). Never vectors (norms, biases), per-head vectors ([heads, x]: Synthesizer biases,
+    per-head mixture weights) or the relative position bias ([heads, buckets]), though those are 2-D."""
+    return param.ndim >= 3 or (param.ndim == 2 and isinstance(module, _MATRIX_LAYERS))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, per_parameter: bool = False) -> list[dict[str, Any]]:
+    """Two groups (decayed, not decayed), or one per parameter: ZeRO flattens each group into one tensor,
+    and an optimizer with per-tensor statistics (Adafactor's RMS scale and update clipping) must see one
+    parameter's values, not a mix of norms and matrices."""
     decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                (decay if decays(module, p) else no_decay).append(p)
+    if per_parameter:
+        return [{"params": [p], "weight_decay": weight_decay} for p in decay] + \
+               [{"params": [p], "weight_decay": 0.0} for p in no_decay]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -112,7 +143,10 @@ def build_engine(
     # that only serves inference all-reduce; training collectives go through torch.distributed.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     model.register_state_dict_post_hook(_empty_extra_state)
-    groups = param_groups(model, train.weight_decay)
+    groups = param_groups(model, train.weight_decay, per_parameter=train.optimizer == "adafactor")
+    if precision == "fp16":
+        log.warning("precision fp16: T5 v1.1 is known to overflow and diverge in fp16 (its activations exceed "
+                    "65504); prefer bf16")
     optimizer = _build_adafactor(train, groups) if train.optimizer == "adafactor" else None
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -26,13 +26,23 @@ def test_deepspeed_config_follows_ours():
     train = TrainConfig(micro_batch=2, global_batch=16, lr=3e-4, beta2=0.98, weight_decay=0.1, grad_clip=0.5)
     ds = build_deepspeed_config(train, ZeroConfig(stage=2), "bf16", dp=4, load_universal=True)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 2, 2)
-    assert ds["zero_optimization"] == {"stage": 2}
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 200_000_000,
+                                       "allgather_bucket_size": 200_000_000}
+    # bf16 with ZeRO: gradients accumulate and reduce in fp32
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert ds["gradient_clipping"] == 0.5 and ds["checkpoint"]["load_universal"] is True
     params = ds["optimizer"]["params"]
     assert ds["optimizer"]["type"] == "AdamW" and params["betas"] == [0.9, 0.98] and params["weight_decay"] == 0.1
     ada = build_deepspeed_config(dataclasses.replace(train, optimizer="adafactor"), ZeroConfig(1), "fp32", dp=4)
     assert "optimizer" not in ada and ada["zero_allow_untested_optimizer"]
+    assert "data_types" not in ada  # fp32 accumulates in fp32 anyway
+    no_zero = build_deepspeed_config(train, ZeroConfig(stage=0, overlap_comm=False), "bf16", dp=4)
+    assert no_zero["zero_optimization"] == {"stage": 0} and "data_types" not in no_zero  # DeepSpeed refuses it
+    custom = build_deepspeed_config(train, ZeroConfig(stage=1, overlap_comm=False, reduce_bucket_size=5,
+                                                      allgather_bucket_size=7), "fp16", dp=4)
+    assert custom["zero_optimization"] == {"stage": 1, "overlap_comm": False, "reduce_bucket_size": 5,
+                                           "allgather_bucket_size": 7}
 
 
 @pytest.mark.parametrize("field,value", [("precision", "fp8"), ("stage", 4), ("optimizer", "sgd")])
@@ -49,11 +59,14 @@ def test_deepspeed_config_rejects_unknown_values(field, value):
 
 
 def test_inverse_sqrt_schedule_matches_t5_formula():
-    cfg = TrainConfig(lr=1e-2, warmup_steps=100, schedule="inverse_sqrt")
-    for t in (1, 50, 100):  # linear warmup: the t-th update uses lr * t / warmup
-        assert lr_factor(cfg, t - 1) == pytest.approx(t / 100)
-    for t in (101, 400, 10_000):  # then 1/sqrt(t), continuous at the warmup end
-        assert lr_factor(cfg, t - 1) == pytest.approx(1 / math.sqrt(t) / (1 / math.sqrt(100)))
+    # T5 (Raffel et al. 2020, sec. 3.1.2): lr(t) = 1 / sqrt(max(t, k)) with k = 10^4 warm-up steps, written out
+    # here; ours reaches it with lr 0.01 = 1 / sqrt(10^4) and the same k, after a linear ramp instead of the
+    # constant 0.01 (the ramp is ours, for optimizers without Adafactor's own relative-step warm-up)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=10_000, schedule="inverse_sqrt")
+    for t in (10_000, 10_001, 40_000, 65_536):
+        assert cfg.lr * lr_factor(cfg, t - 1) == pytest.approx(1 / math.sqrt(max(t, 10_000)), rel=1e-12)
+    for t in (1, 5_000):
+        assert cfg.lr * lr_factor(cfg, t - 1) == pytest.approx(1e-2 * t / 10_000)
 
 
 def test_cosine_schedule_matches_formula():
@@ -78,8 +91,32 @@ def test_scheduler_drives_optimizer_lr_and_rejects_unknown():
         build_scheduler(TrainConfig(schedule="linear"), opt)
 
 
-def test_no_weight_decay_on_norms():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.LayerNorm(4, bias=False))
+def test_weight_decay_reaches_matrices_only():
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_local_model
+
+    cfg = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1,
+                      max_length=16, encoder_attention="dense+factorized_dense+vanilla",
+                      decoder_attention="random+factorized_random", mixture_per_head=True)
+    model = build_local_model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
     decay, no_decay = param_groups(model, 0.1)
-    assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [(4, 4)]
-    assert no_decay["weight_decay"] == 0.0 and no_decay["params"][0] is model[1].weight
+    decayed = {names[id(p)].replace("encoder.layers.0.", "e.").replace("decoder.layers.0.", "d.") for p in decay["params"]}
+    assert decayed == {
+        "embed.weight", "lm_head.weight", "e.attn.qkv.weight", "e.attn.o.weight", "d.attn.v.weight", "d.attn.o.weight",
+        "e.ffn.wi.weight", "e.ffn.wo.weight", "d.ffn.wi.weight", "d.ffn.wo.weight",
+        "d.cross.q.weight", "d.cross.kv.weight", "d.cross.o.weight",
+        "e.attn.synth.dense.hidden.w1.weight", "e.attn.synth.factorized_dense.hidden.w1.weight",
+        "e.attn.synth.dense.w2", "e.attn.synth.factorized_dense.wa", "e.attn.synth.factorized_dense.wb",  # [heads, x, d]
+        "d.attn.synth.random.r", "d.attn.synth.factorized_random.r1", "d.attn.synth.factorized_random.r2",
+    }
+    # never: norms, biases, per-head bias vectors [heads, x], per-head mixture weights, relative position bias
+    kept = {names[id(p)] for p in no_decay["params"]}
+    for name in ("encoder.relative_bias.weight", "encoder.layers.0.attn.mix", "encoder.layers.0.attn.synth.dense.b2",
+                 "encoder.layers.0.attn.synth.factorized_dense.ba", "encoder.layers.0.attn_norm.weight",
+                 "encoder.layers.0.attn.synth.dense.hidden.w1.bias"):
+        assert name in kept
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
+    per_param = param_groups(model, 0.1, per_parameter=True)
+    assert all(len(g["params"]) == 1 for g in per_param) and len(per_param) == len(decay["params"]) + len(kept)

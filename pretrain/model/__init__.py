@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core import ModelParallelConfig, parallel_state
 
@@ -13,20 +15,32 @@ from pretrain.model.attention import MIXERS, parse_mixers
 from pretrain.model.generation import generate_greedy
 from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
 from pretrain.model.t5 import IGNORE_INDEX, T5Model, T5Output, checkpointing_mode, vocab_parallel_argmax
-from pretrain.parallel import check_parallel, init_single_process
+from pretrain.parallel import check_parallel, init_single_process, padded_vocab_size
 
 __all__ = [
     "MIXERS", "IGNORE_INDEX", "T5Model", "T5Output", "build_model", "build_local_model", "check_model",
     "full_state_dict", "generate_greedy", "load_full_state_dict", "universal_checkpoint_info",
-    "vocab_parallel_argmax",
+    "vocab_parallel_argmax", "with_vocab",
 ]
+
+
+def with_vocab(cfg: ModelConfig, num_ids: int) -> ModelConfig:
+    """`cfg` with model.vocab_size = the tokenizer's `num_ids` when it is 0; a smaller set value is refused."""
+    if cfg.vocab_size == 0:
+        return dataclasses.replace(cfg, vocab_size=num_ids)
+    if cfg.vocab_size < num_ids:
+        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's {num_ids} ids; "
+                         f"set it to 0 (the tokenizer's) or at least {num_ids}")
+    return cfg
 
 
 def check_model(cfg: ModelConfig, tp: int = 1) -> None:
     """Model-config rules, checked before allocation: mixer names, sizes, and divisibility by TP."""
     parse_mixers(cfg.encoder_attention, "model.encoder_attention")
     parse_mixers(cfg.decoder_attention, "model.decoder_attention")
-    for key in ("vocab_size", "d_model", "d_ff", "d_kv", "num_heads", "max_length", "factorized_k"):
+    if cfg.vocab_size < 0:
+        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be >= 0 (0: the tokenizer's ids)")
+    for key in ("d_model", "d_ff", "d_kv", "num_heads", "max_length", "factorized_k"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"model.{key} ({getattr(cfg, key)}) must be >= 1")
     if cfg.relative_attention_num_buckets < 4:
@@ -49,6 +63,8 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
         raise RuntimeError("build_model needs init_distributed() first (or use build_local_model)")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     check_model(cfg, tp)
+    if cfg.vocab_size == 0:
+        raise ValueError("model.vocab_size is 0 (the tokenizer's ids): resolve it with with_vocab before building")
     mp_config = ModelParallelConfig(
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
     )

@@ -20,6 +20,7 @@ from torch import nn
 from pretrain.config import ModelConfig
 from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, parse_mixers
 from pretrain.model.loss import vocab_parallel_cross_entropy
+from pretrain.parallel import padded_vocab_size
 
 IGNORE_INDEX = -100
 
@@ -170,16 +171,23 @@ class T5Model(nn.Module):
             "decoder": parse_mixers(cfg.decoder_attention, "model.decoder_attention"),
         }
         f = cfg.initializer_factor
+        # vocabulary rows padded to a multiple of 128 x TP; the padding rows are zero and their logits masked,
+        # and only the real rows draw from the RNG, so every TP starts from the same function
+        rows = padded_vocab_size(cfg.vocab_size, tp)
+
+        def init_vocab(w: torch.Tensor) -> None:  # w: the full [rows, d] master weight
+            nn.init.normal_(w[: cfg.vocab_size], 0.0, f)
+            w[cfg.vocab_size :].zero_()
+
         self.embed = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.d_model, config=mp_config, init_method=lambda w: nn.init.normal_(w, 0.0, f)
+            rows, cfg.d_model, config=mp_config, init_method=init_vocab
         )
         self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
                              activation_checkpointing, sdpa)
         self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank, tp,
                              activation_checkpointing, sdpa)
         self.lm_head = ColumnParallelLinear(
-            cfg.d_model, cfg.vocab_size, config=mp_config, bias=False, gather_output=False,
-            init_method=lambda w: nn.init.normal_(w, 0.0, f),
+            cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
         )
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,7 +201,7 @@ class T5Model(nn.Module):
         start = caches[0].get("len", 0) if caches else 0
         mask = causal_mask(h.shape[1], start, decoder_attention_mask, h.dtype, h.device)
         h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
-        return self.lm_head(h)[0]
+        return mask_vocab_padding(self.lm_head(h)[0], self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -239,6 +247,17 @@ def _gather_heads(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=0)
+
+
+def mask_vocab_padding(logits: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """This rank's logits [b, m, rows/tp] with the padding rows (ids >= num_ids) at the dtype's minimum: they
+    take no probability, no gradient and no argmax, so re-padding for another TP changes nothing."""
+    per_rank = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+    if start + per_rank <= num_ids:
+        return logits
+    ids = torch.arange(start, start + per_rank, device=logits.device)
+    return logits.masked_fill(ids >= num_ids, torch.finfo(logits.dtype).min)
 
 
 def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
