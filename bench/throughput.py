@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     train = dataclasses.replace(cfg.train, micro_batch=micro, global_batch=micro * dims.dp)
     input_length = cfg.data.input_length
     target_length = input_and_target_lengths(input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)[1]
-    vocab = cfg.model.vocab_size or 32128  # 0 means the tokenizer's: T5's 32100 ids padded
+    vocab = cfg.model.vocab_size or 32100  # 0 means the tokenizer's: T5's 32000 pieces + 100 sentinels
     peak = peak_flops(cfg.log.peak_flops, dims.device)
     device_name = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else "CPU"
     header = (f"{args.config}: {device_name}, {precision}, DP {dims.dp} x TP {dims.tp}, micro batch {micro} "
