@@ -60,6 +60,7 @@ _CREDENTIALS = re.compile(r"//[^/@\s]*@")  # user:password@ in a shard URL
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.attn\.(.+)$")
 _HF_LAYER = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.(.+)$")
 _MP_RANK = re.compile(r"mp_rank_(\d+)_")
+_DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
 
 
 class CheckpointError(UsageError):
@@ -109,10 +110,11 @@ def _weights_only():
                 os.environ[key] = value
 
 
-def _check_loads(file: Path) -> None:
-    """Name a damaged or foreign file here rather than deep inside DeepSpeed (mmap: nothing is copied)."""
+def _load(file: Path) -> dict:
+    """A checkpoint file, memory-mapped (nothing is copied until used); a damaged or foreign file is named here
+    rather than deep inside DeepSpeed."""
     try:
-        torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{file} holds objects that are not tensors or DeepSpeed's bookkeeping, so it is "
                               f"not loaded ({str(e).splitlines()[0]})") from None
@@ -120,14 +122,33 @@ def _check_loads(file: Path) -> None:
         raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
+def _bf16_optimizer_state(model_states: dict, optim_states: list[dict]) -> dict[str, torch.Tensor]:
+    """fp32 master weights of DeepSpeed's BF16_Optimizer (bf16 with ZeRO 1), which its zero_to_fp32 does not
+    read. Each DP rank's optimizer file holds flat fp32 partitions and `param_slice_mappings` (name -> start
+    and numel of the parameter's fragment in that partition); a parameter is its fragments in DP-rank order
+    (ds_to_universal's rule). Frozen parameters have no master copy: the module's value is the one trained with."""
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
+    for optim in optim_states:  # in DP-rank order
+        sd = optim["optimizer_state_dict"]
+        for flat, mapping in zip(sd["single_partition_of_fp32_groups"], sd["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                pieces[name].append(flat.narrow(0, fragment.start, fragment.numel))
+    state = {k: v.float() for k, v in model_states["module"].items() if k not in shapes}
+    return {**state, **{name: torch.cat(pieces[name]).view(shape) for name, shape in shapes.items()}}
+
+
 def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, torch.Tensor]:
     """One TP rank's fp32 weights from its model-state and ZeRO optimizer files (loaded weights_only)."""
     with _weights_only():
-        for f in files:
-            _check_loads(f)
-        if not any(f.name.endswith("optim_states.pt") for f in files):  # ZeRO stage 0: the module weights
-            module = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
-            return {k: v.float() for k, v in module.items()}
+        loaded = {f: _load(f) for f in files}
+        model_files = [f for f in files if f.name.endswith("model_states.pt")]
+        optim_files = sorted((f for f in files if f.name.endswith("optim_states.pt")),
+                             key=lambda f: int(_DP_RANK.search(f.name).group(1)))
+        if not optim_files:  # ZeRO stage 0: the module weights
+            return {k: v.float() for k, v in loaded[model_files[0]]["module"].items()}
+        if "zero_stage" not in loaded[optim_files[0]]["optimizer_state_dict"]:
+            return _bf16_optimizer_state(loaded[model_files[0]], [loaded[f] for f in optim_files])
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with tempfile.TemporaryDirectory() as view:

@@ -1,4 +1,4 @@
-"""Export: real DeepSpeed checkpoints (TP 2 / ZeRO 1, TP 1 x DP 2 / ZeRO 3) -> a (sharded) folder -> our model,
+"""Export: real DeepSpeed checkpoints (TP 2 / ZeRO 1, DP 2 / ZeRO 3, DP 2 / ZeRO 1 bf16) -> a (sharded) folder -> our model,
 bit-exact, and HuggingFace's AutoModelForSeq2SeqLM (remote code) with our logits; vanilla exports are plain HF T5
 (with HF's tokenizer); Synthesizer exports refuse to load without trust_remote_code; generation equals ours;
 incomplete, damaged or code-carrying checkpoints are refused. Constant parameters (norm weights, mixture logits,
@@ -23,7 +23,7 @@ from tokenizer.spm import Tokenizer
 TINY = load_config(Config, "configs/tiny.yaml")
 
 
-def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
+def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precision):
     """One real optimizer step through the DeepSpeed engine, then a checkpoint; returns the gathered weights."""
     from pretrain.checkpoint import CheckpointManager, Progress
     from pretrain.engine import build_engine
@@ -33,7 +33,7 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
     dims = init_distributed(ParallelConfig(tensor=tp), seed=3)
     model = build_model(model_cfg)
     train = TrainConfig(micro_batch=2, global_batch=2 * dims.dp, lr=1e-2, warmup_steps=1)
-    engine = build_engine(model, train, ZeroConfig(stage=stage), "fp32", dims.dp)
+    engine = build_engine(model, train, ZeroConfig(stage=stage), precision, dims.dp)
     g = torch.Generator().manual_seed(dims.dp_rank)
     ids = torch.randint(2, 1000, (2, 12), generator=g)
     loss = engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6], labels=ids[:, 1:7]).loss
@@ -49,18 +49,20 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage):
     return full if rank == 0 else None
 
 
-def _run(tmp_path, tokenizer_model, tp, world, stage, per_head):
+def _run(tmp_path, tokenizer_model, tp, world, stage, per_head, precision):
     # 1100 ids padded to a multiple of 128 x TP 2
     model_cfg = dataclasses.replace(TINY.model, vocab_size=1280, mixture_per_head=per_head)
     cfg = dataclasses.replace(TINY, model=model_cfg, data=dataclasses.replace(TINY.data, tokenizer=tokenizer_model))
     run_dir = tmp_path / "run"
-    full = run_distributed(_train_and_save, world, str(run_dir), to_yaml(cfg), model_cfg, tp, stage)[0]
-    return run_dir, model_cfg, full
+    full = run_distributed(_train_and_save, world, str(run_dir), to_yaml(cfg), model_cfg, tp, stage, precision)[0]
+    return run_dir, model_cfg, full, precision
 
 
-@pytest.fixture(scope="module", params=[(2, 2, 1, True), (1, 2, 3, False)], ids=["tp2-zero1", "dp2-zero3"])
+@pytest.fixture(scope="module", params=[(2, 2, 1, True, "fp32"), (1, 2, 3, False, "fp32"), (1, 2, 1, True, "bf16")],
+                ids=["tp2-zero1", "dp2-zero3", "dp2-zero1-bf16"])
 def saved_run(request, tmp_path_factory, tokenizer_model):
-    """(run folder, model config, gathered weights) of a real 2-process run: TP 2 / ZeRO 1 or DP 2 / ZeRO 3."""
+    """(run folder, model config, gathered weights, precision) of a real 2-process run: TP 2 / ZeRO 1, DP 2 /
+    ZeRO 3, or DP 2 / ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, the shipped size configs' setting)."""
     return _run(tmp_path_factory.mktemp("run"), tokenizer_model, *request.param)
 
 
@@ -93,7 +95,7 @@ def _assert_same_as_ours(ours, hf) -> None:
 
 
 def test_export_round_trip_bit_exact(tmp_path, saved_run):
-    run_dir, model_cfg, full = saved_run
+    run_dir, model_cfg, full, precision = saved_run
     tp = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["tp"]
     out = export(run_dir, tmp_path / "export", max_shard_size="200KB")
     # sharded as HF's save_pretrained shards: numbered files plus the index naming every tensor's file
@@ -104,10 +106,14 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
     model = load_pretrained(out)
     loaded = full_state_dict(model)
     assert set(loaded) == set(full)
-    assert all(torch.equal(loaded[k], full[k]) for k in full)  # the trained weights, bit for bit
-    reference = build_local_model(model_cfg).eval()
-    reference.load_state_dict(full, strict=False)
-    assert torch.equal(_logits(model), _logits(reference))
+    # fp32: the trained weights, bit for bit; bf16: the fp32 master weights, which round to the trained bf16 ones
+    assert all(torch.equal(loaded[k].to(full[k].dtype), full[k]) for k in full)
+    if precision == "bf16":
+        assert not all(torch.equal(loaded[k], full[k].float()) for k in full)  # the master, not the bf16 copy
+    else:
+        reference = build_local_model(model_cfg).eval()
+        reference.load_state_dict(full, strict=False)
+        assert torch.equal(_logits(model), _logits(reference))
     # the learned mixture weights: in the weights (raw) and in config.json (softmax), per layer
     config = json.loads((out / "config.json").read_text())
     weights = model.mixture_weights()
