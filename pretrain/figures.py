@@ -158,6 +158,22 @@ def plot_curves(series: Mapping[str, Sequence[tuple[float, float]]], path: Path,
     return _save(fig, path)
 
 
+def plot_panels(runs: Mapping[str, Sequence[dict]], metrics: Sequence[str], path: Path, x: str = "step") -> Path:
+    """One panel per metric, one line per run ({label: metrics.jsonl records}), against `x` (step, tokens_seen)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.8 * len(metrics)), squeeze=False, sharex=True)
+    for ax, metric in zip(axes[:, 0], metrics):
+        for label, records in runs.items():
+            points = [(r[x], r[metric]) for r in records if metric in r and x in r]
+            if points:
+                ax.plot(*zip(*points), label=label, linewidth=1.2, marker=".")  # a marker: single evaluations show
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    axes[-1, 0].set_xlabel(x)
+    return _save(fig, path)
+
+
 def plot_bars(means: Mapping[str, Mapping[str, float]], stds: Mapping[str, Mapping[str, float]], path: Path,
               title: str = "") -> Path:
     """Grouped bars: one group per metric, one bar per variant, error bars of one standard deviation."""

@@ -86,7 +86,7 @@ class MetricsLogger:
             # one id per run folder: a restarted job continues the same W&B run
             run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
             self._wandb = wandb_lib.init(project=wandb, name=run_dir.name, id=run_id, resume="allow",
-                                         dir=str(run_dir), config=config or {}, settings=wandb_lib.Settings(console="off"))
+                                         dir=str(run_dir), config=config or {})
 
     def write(self, step: int, scalars: dict[str, float], tokens_seen: int | None = None) -> None:
         """One metrics line; with `tokens_seen`, the same scalars also under `by_tokens/` with tokens as the x axis."""
@@ -132,7 +132,10 @@ class MetricsLogger:
             self._file.close()
             self._tb.close()
             if self._wandb is not None:
+                import wandb as wandb_lib
+
                 self._wandb.finish()
+                wandb_lib.teardown()  # finish() returns before the W&B service has flushed the run to disk
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:

@@ -8,7 +8,7 @@ Every step is the project's own command in a subprocess (`pretrain.train`, `pret
 a user runs and knows nothing of the trainer's internals. The parts, for SLURM arrays (slurm/study.sh):
 
     --stage data                      fetch text, tokenizer, shards and the polarity set (data.fetch)
-    --cells                           print the number of cells (variants x seeds)
+    --cells                           print the number of cells (variants x seeds) and the study folder
     --cell I --stage pretrain         pretrain cell I          --cell I --stage downstream   export + fine-tune
     --stage report                    results.csv, results.md, figures/ from whatever cells finished
 
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.study", description=__doc__.splitlines()[0],
                                      usage="%(prog)s --config FILE [--cells | --stage STAGE [--cell I]] [section.key=value ...]")
     parser.add_argument("--config", help="study config (configs/study/*.yaml)")
-    parser.add_argument("--cells", action="store_true", help="print the number of cells and exit")
+    parser.add_argument("--cells", action="store_true", help="print the number of cells and the study folder")
     parser.add_argument("--stage", choices=("data", "pretrain", "downstream", "report"), help="run one part only")
     parser.add_argument("--cell", type=int, help="the cell (0-based, variant-major) of --stage pretrain|downstream")
     args, overrides = parser.parse_known_args(argv)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     grid = cells(cfg)
     if args.cells:
-        print(len(grid))
+        print(len(grid), Path(cfg.study.dir).resolve())
         return 0
     if args.stage in ("pretrain", "downstream"):
         if args.cell is None or not 0 <= args.cell < len(grid):
