@@ -28,7 +28,7 @@ original, count = loop.train_step, [0]
 def train_step(*args, **kwargs):
     result = original(*args, **kwargs)
     count[0] += 1
-    if count[0] == 2 and os.environ["RANK"] == RANK:
+    if count[0] == 2 and os.environ["RANK"] == WHICH_RANK:
         FAULT
     return result
 loop.train_step = train_step
@@ -38,7 +38,7 @@ sys.exit(main())
 
 
 def _code(rank: int, fault: str) -> str:
-    return _AFTER_TWO_STEPS.replace("RANK", repr(str(rank)), 1).replace("FAULT", fault)
+    return _AFTER_TWO_STEPS.replace("WHICH_RANK", repr(str(rank))).replace("FAULT", fault)
 
 
 def _argv(run_dir: Path, shards, *extra: str) -> list[str]:
@@ -111,7 +111,7 @@ def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
 
 def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
     """Rank 0 waits in a collective of megatron's group that rank 1 never joins; rank 1 waits for rank 0's
-    verdict. With parallel.timeout_s=3 rank 0 fails within seconds; with megatron's default it would wait 30 min
+    verdict. With parallel.timeout_s=20 rank 0 fails within seconds; with megatron's default it would wait 30 min
     (and rank 1's 300 s guard would report it)."""
     import torch
     import torch.distributed as dist
@@ -120,7 +120,7 @@ def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
     from pretrain.config import ParallelConfig
     from pretrain.parallel import init_distributed
 
-    init_distributed(ParallelConfig(tensor=tensor, timeout_s=3), seed=0)
+    init_distributed(ParallelConfig(tensor=tensor, timeout_s=20), seed=0)
     group = parallel_state.get_tensor_model_parallel_group() if tensor == 2 else \
         parallel_state.get_data_parallel_group()
     if rank == 0:
