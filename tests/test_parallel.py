@@ -1,4 +1,5 @@
-"""Process-group setup: validation messages; the TP x DP layout, RNG streams and mpu checks that the 4-process
+"""Process-group setup: validation messages; any TP that divides the heads takes the T5 vocabulary; TP 1
+and TP 2 start from the same weights and function with a vocabulary that pads differently; the TP x DP layout, RNG streams and mpu checks that the 4-process
 TP=2 x DP=2 run of tests/test_tensor_parallel.py applies (one spawn for both)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.parallel import check_parallel, padded_vocab_size
+from tests.distributed import run_distributed
 
 
 def test_padded_vocab_size():
@@ -23,15 +25,74 @@ def test_padded_vocab_size():
     [
         ({}, 2, 3, "world size (3) must be a multiple of parallel.tensor (2)"),
         ({"num_heads": 6}, 4, 4, "model.num_heads (6) must be a multiple of parallel.tensor (4)"),
-        ({"vocab_size": 1152}, 2, 2, "model.vocab_size (1152) must be a multiple of 128 x parallel.tensor (256); use 1280"),
+        ({"d_ff": 1030}, 4, 4, "model.d_ff (1030) must be a multiple of parallel.tensor (4)"),
     ],
 )
 def test_check_parallel_names_both_values(changes, tp, world, needle):
-    cfg = dataclasses.replace(ModelConfig(vocab_size=32256, num_heads=8), **changes)
+    cfg = dataclasses.replace(ModelConfig(vocab_size=32100, num_heads=8), **changes)
     with pytest.raises(ValueError) as e:
         check_parallel(cfg, tp, world)
     assert needle in str(e.value)
-    check_parallel(ModelConfig(vocab_size=32256, num_heads=8), 2, 4)
+    check_parallel(ModelConfig(vocab_size=32100, num_heads=8), 2, 4)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_any_tp_dividing_the_heads_takes_the_t5_vocabulary(tp):
+    # the vocabulary is ids; the model pads its rows, so no vocab_size has to be chosen per TP
+    from pretrain.config import Config, load_config
+    from pretrain.plan import check_job
+
+    cfg = load_config(Config, "configs/xl.yaml", [f"parallel.tensor={tp}", "model.vocab_size=32100"])
+    layout = check_job(cfg, world=8)
+    assert layout.vocab_rows == padded_vocab_size(32100, tp) and layout.vocab_rows % (128 * tp) == 0
+
+
+TINY_IDS = ModelConfig(vocab_size=1100, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1,
+                       max_length=16, encoder_attention="random+vanilla", decoder_attention="dense+vanilla")
+
+
+def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Weights gathered to full shape, loss and full logits of a freshly built model at TP `tp`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from pretrain.model import build_model, full_state_dict
+    from pretrain.parallel import init_distributed
+
+    init_distributed(ParallelConfig(tensor=tp), seed=7)
+    torch.manual_seed(7)
+    model = build_model(TINY_IDS)
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(2, 1100, (2, 9), generator=g) for k in ("input_ids", "decoder_input_ids", "labels")}
+    out = model(**batch)
+    parts = [torch.empty_like(out.logits) for _ in range(tp)]
+    dist.all_gather(parts, out.logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return full_state_dict(model), out.loss.detach(), torch.cat(parts, dim=-1).detach()
+
+
+def test_tp1_and_tp2_start_from_the_same_function_with_unpadded_ids():
+    # 1100 ids: 1152 rows at TP 1, 1280 at TP 2; the real rows draw the same numbers, the padding is zero
+    # and masked, so weights, logits of real ids and loss agree
+    from pretrain.model import build_local_model, full_state_dict
+
+    torch.manual_seed(7)
+    model = build_local_model(TINY_IDS)  # TP 1 in this process
+    g = torch.Generator().manual_seed(0)
+    out = model(**{k: torch.randint(2, 1100, (2, 9), generator=g) for k in ("input_ids", "decoder_input_ids", "labels")})
+    w1, loss1, logits1 = full_state_dict(model), out.loss.detach(), out.logits.detach()
+    (w2, loss2, logits2), _ = run_distributed(_start, 2, 2)
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        a, b = w1[name], w2[name]
+        if name in ("embed.weight", "lm_head.weight"):
+            assert (a.shape[0], b.shape[0]) == (1152, 1280)
+            assert not a[1100:].any() and not b[1100:].any()
+            a, b = a[:1100], b[:1100]
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(loss1, loss2)
+    torch.testing.assert_close(logits1[..., :1100], logits2[..., :1100])
+    assert (logits1[..., 1100:] == torch.finfo(torch.float32).min).all()
+    assert (logits2[..., 1100:] == torch.finfo(torch.float32).min).all()
 
 
 def layout_report(dims, seed: int) -> dict:
