@@ -5,6 +5,7 @@ import http.server
 import itertools
 import json
 import logging
+import re
 import shutil
 import tarfile
 import threading
@@ -15,9 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from webdataset import TarWriter
+
+from pretrain.config import UsageError
 from pretrain.data.c4 import expand_glob
 from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.prepare import prepare
+from pretrain.data.shards import encode_pack
 from pretrain.data.stream import batches, examples, start_position
 
 SENTINEL_FLOOR = 1000  # ids >= this are sentinels of the 1100-id test tokenizer
@@ -116,14 +121,15 @@ def test_workers_round_robin_over_streams(shards):
 
 def test_batch_format(shards):
     batch = next(iter(build_train_loader(shards.config(), seed=0, dp_rank=0, dp_size=1, micro_batch=3)))
+    # span-corrupted chunks fill inputs and targets exactly: no padding, so no masks (the model reads a missing
+    # mask as "nothing padded" without looking at the device)
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
-        "input_ids": (3, 64), "attention_mask": (3, 64), "decoder_input_ids": (3, 14), "labels": (3, 14),
-        "decoder_attention_mask": (3, 14)}
+        "input_ids": (3, 64), "decoder_input_ids": (3, 14), "labels": (3, 14)}
     assert all(v.dtype == torch.int64 for v in batch.values())
     labels = batch["labels"]
+    assert (batch["input_ids"] != 0).all() and (labels != -100).all()
     assert torch.equal(batch["decoder_input_ids"][:, 0], torch.zeros(3, dtype=torch.int64))
     assert torch.equal(batch["decoder_input_ids"][:, 1:], labels[:, :-1].clamp(min=0))
-    assert torch.equal(batch["decoder_attention_mask"], (labels != -100).long())
     assert (labels[:, 0] == 1099).all()  # targets start with <extra_id_0>
     for inputs, targets in zip(batch["input_ids"], labels):
         assert len(uncorrupt(inputs, targets)) == 70
@@ -175,6 +181,28 @@ def test_resume_with_other_dp_size_starts_new_order(shards, caplog):
     wrong_rank = build_train_loader(cfg, seed=1, dp_rank=1, dp_size=2, micro_batch=4)
     with pytest.raises(ValueError, match="state of DP rank 0 loaded on DP rank 1"):
         wrong_rank.load_state_dict(state)
+
+
+@pytest.mark.parametrize("change, named", [({"shuffle_buffer": 32}, "data.shuffle_buffer (64 in the checkpoint, 32 now)"),
+                                           ({"noise_density": 0.2}, "data.noise_density (0.15 in the checkpoint"),
+                                           ({"input_length": 48}, "data.input_length (64 in the checkpoint, 48 now)")])
+def test_resume_with_other_data_settings_is_refused(shards, change, named):
+    loader = build_train_loader(shards.config(workers=1), seed=1, dp_rank=0, dp_size=1, micro_batch=4)
+    list(itertools.islice(loader, 2))
+    changed = build_train_loader(shards.config(workers=1, **change), seed=1, dp_rank=0, dp_size=1, micro_batch=4)
+    with pytest.raises(UsageError, match=re.escape(named)):
+        changed.load_state_dict(loader.state_dict())
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_shard(shards, tmp_path):
+    for shard in Path(shards.train).iterdir():
+        shutil.copy(shard, tmp_path / shard.name)
+    bad = tmp_path / "shard-000003.tar"
+    with open(bad, "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
+        writer.write(encode_pack("bad_000000", [[5, 6, 1100 + 7]], [""], "u16"))  # 1100 ids: 1107 is beyond
+    cfg = shards.config(train=str(tmp_path), workers=0)
+    with pytest.raises(UsageError, match=r"shard .*shard-000003.tar holds token id 1107, beyond the 1100 ids"):
+        list(itertools.islice(build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=4), 10_000))
 
 
 def test_too_few_shards_is_a_clear_error(shards):
@@ -250,11 +278,12 @@ def test_shard_specs_stream_the_same_batches(shards, http_shards):
 def test_eval_slice_is_fixed_and_disjoint_across_ranks(shards):
     cfg = shards.config()
     a = build_eval_loader(cfg, dp_rank=0, dp_size=2, micro_batch=4, num_batches=3)
-    again = build_eval_loader(shards.config(shuffle_buffer=64), dp_rank=0, dp_size=2, micro_batch=4, num_batches=3)
+    # rebuilt for another run: the slice does not depend on the loader workers of training
+    again = build_eval_loader(shards.config(workers=3), dp_rank=0, dp_size=2, micro_batch=4, num_batches=3)
     b = build_eval_loader(cfg, dp_rank=1, dp_size=2, micro_batch=4, num_batches=3)
     assert len(a) == 3 and a.batches[0]["input_ids"].shape == (4, 64)
+    assert a.batches is not again.batches
     assert_same_batches(list(a), list(again))
-    assert_same_batches(list(a), list(a))
     rows = lambda loader: {tuple(r.tolist()) for batch in loader for r in batch["input_ids"]}
     assert not rows(a) & rows(b)
     with pytest.raises(ValueError, match="too few"):

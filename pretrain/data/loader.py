@@ -71,6 +71,12 @@ def _ignore_preemption_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+# the config keys of the settings a loader state records
+_SETTING_KEYS = {"shuffle_buffer": "data.shuffle_buffer", "input_length": "data.input_length",
+                 "noise_density": "data.noise_density", "mean_noise_span_length": "data.mean_noise_span_length",
+                 "micro_batch": "train.micro_batch"}
+
+
 class TrainLoader:
     """Iterable of batches with `state_dict()` / `load_state_dict()`; iterating again continues, it never rewinds.
     `close()` ends the worker processes of the live iteration (the trainer calls it on every way out)."""
@@ -128,14 +134,12 @@ class TrainLoader:
         if state["dp_size"] == s.dp_size and state["dp_rank"] != s.dp_rank:
             raise ValueError(f"data loader state of DP rank {state['dp_rank']} loaded on DP rank {s.dp_rank}; "
                              "each DP rank must load its own state")
-        changed = [f"{k} ({v} in the checkpoint, {self._settings()[k]} now)"
-                   for k, v in state.get("settings", {}).items() if self._settings()[k] != v]
+        now = self._settings()
+        changed = [f"{_SETTING_KEYS[k]} ({v} in the checkpoint, {now[k]} now)"
+                   for k, v in state.get("settings", {}).items() if now[k] != v]
         if changed:
-            names = {"shuffle_buffer": "data.shuffle_buffer", "micro_batch": "train.micro_batch"}
-            raise UsageError(
-                "the data settings changed since the checkpoint: " + ", ".join(names.get(c.split()[0], "data." + c)
-                                                                               for c in changed)
-                + "; the saved data position would repeat or skip text: restore them, or start a new run.dir")
+            raise UsageError(f"the data settings changed since the checkpoint: {', '.join(changed)}; the saved data "
+                             "position would repeat or skip text: restore them, or start a new run.dir")
         if (state["dp_size"], state["workers"], state["seed"]) != (s.dp_size, s.num_streams, s.seed):
             epoch = max(p["epoch"] for p in state["positions"]) + 1
             log.warning("data loader state is for DP size %d, %d workers, seed %d; now DP size %d, %d workers, "
