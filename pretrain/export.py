@@ -31,6 +31,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from transformers import GenerationConfig
 
 from pretrain.checkpoint import check_complete, complete_steps, tag_for
 from pretrain.config import ModelConfig, UsageError
+from pretrain.faults import run_with_exit_codes
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
@@ -270,7 +272,7 @@ def _weight_files(folder: Path) -> list[Path]:
         files = [folder / WEIGHTS]
     for f in files:
         if not f.is_file():
-            raise ValueError(f"{folder} is not a complete export folder: {f.name} is missing "
+            raise UsageError(f"{folder} is not a complete export folder: {f.name} is missing "
                              f"(make one with python -m pretrain.export)")
     return files
 
@@ -282,7 +284,7 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
     `source`: where the weights come from (checkpoint, step, tokens_seen, data, evaluation) for the model card.
     """
     if output.exists():
-        raise ValueError(f"{output} already exists; remove it or choose another --output")
+        raise UsageError(f"{output} already exists; remove it or choose another --output")
     cfg: ModelConfig = model.config
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -333,18 +335,22 @@ def _evaluation(run_dir: Path, step: int) -> dict[str, float]:
 
 def export(run_dir: str | Path, output: str | Path, step: int | None = None, dtype: str = "fp32",
            max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
-    """Checkpoint of `run_dir` (`latest` or step_N) -> the export folder `output`."""
+    """Checkpoint of `run_dir` (the newest complete one, or step_N) -> the export folder `output`."""
     if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"--dtype '{dtype}' is not one of fp32, bf16")
+        raise UsageError(f"--dtype '{dtype}' is not one of fp32, bf16")
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=max_shard_size)  # checks the size's spelling
+    except ValueError:
+        raise UsageError(f"--max-shard-size '{max_shard_size}' is not a size such as 5GB or 500MB") from None
     run_dir, output = Path(run_dir), Path(output)
     if output.exists():
-        raise ValueError(f"{output} already exists; remove it or choose another --output")
+        raise UsageError(f"{output} already exists; remove it or choose another --output")
     ckpt = find_checkpoint(run_dir, step)
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg = ModelConfig(**saved["model"])
     spiece = Path(saved["data"]["tokenizer"])
     if not spiece.is_file():
-        raise ValueError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
+        raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
     model = build_local_model(cfg)
@@ -364,10 +370,10 @@ def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     folder = Path(folder)
     for part in (CONFIG, SPIECE):
         if not (folder / part).is_file():
-            raise ValueError(f"{folder} is not an export folder: {part} is missing (make one with python -m pretrain.export)")
+            raise UsageError(f"{folder} is not an export folder: {part} is missing (make one with python -m pretrain.export)")
     config = json.loads((folder / CONFIG).read_text())
     if "synthesizer" not in config:
-        raise ValueError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
+        raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
     cfg = ModelConfig(**config["synthesizer"]["model"])
     hf = {k: v.float() for f in _weight_files(folder) for k, v in load_file(str(f)).items()}
     return cfg, from_export_state_dict(hf, cfg)
@@ -382,22 +388,24 @@ def load_pretrained(folder: str | Path) -> T5Model:
     return model.eval()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="run folder (run.dir of the pretraining)")
     parser.add_argument("--output", required=True, help="export folder to create")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of the saved weights")
     parser.add_argument("--max-shard-size", default=MAX_SHARD_SIZE,
                         help="largest weights file (e.g. 5GB, 500MB); bigger models are split into "
                              "model-0000k-of-0000n.safetensors plus model.safetensors.index.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+
+    def job() -> int:
         print(export(args.run, args.output, args.step, args.dtype, args.max_shard_size))
-    except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        return 0
+
+    return run_with_exit_codes(job, parser.prog)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
