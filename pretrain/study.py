@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -148,11 +149,19 @@ def _module(cfg: StudyConfig, module: str, args: list[str]) -> list[str]:
 def _run(cmd: list[str], log_file: Path) -> int:
     """A job in a subprocess from the repository root, its output in `log_file` (appended: resumes add to it)."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a launcher-free job rendezvous on MASTER_PORT (default 29500): a free one, so concurrent cells and
+    # other jobs on the machine do not collide (torchrun --standalone picks its own)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     with log_file.open("a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         return subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _say(msg: str) -> None:
