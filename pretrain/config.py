@@ -121,6 +121,7 @@ class CheckpointConfig:
 class LogConfig:
     every: int = 10  # steps between metrics lines
     peak_flops: float = 0.0  # device peak FLOP/s for MFU (0: measured matmul rate on CPU, table on GPU)
+    wandb: str = ""  # Weights & Biases project to mirror the metrics to ("": off; WANDB_MODE=offline works offline)
 
 
 @dataclass(frozen=True)
