@@ -29,7 +29,8 @@ def _loading(name: str, synthesizer: bool) -> str:
 def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], source: dict, name: str) -> str:
     """README.md text; `mixture`: softmax mixture weights per layer, `source`: step, tokens_seen, data, evaluation."""
     synthesizer = (cfg.encoder_attention, cfg.decoder_attention) != ("vanilla", "vanilla")
-    mixers = sorted(set(parse_mixers(cfg.encoder_attention)) | set(parse_mixers(cfg.decoder_attention)), key=list(MIXER_TEXT).index)
+    used = set(parse_mixers(cfg.encoder_attention)) | set(parse_mixers(cfg.decoder_attention))
+    mixers = [m for m in MIXER_TEXT if m in used]
     lines = [
         "---", "library_name: transformers", "pipeline_tag: text2text-generation",
         "tags: [t5, synthesizer]" if synthesizer else "tags: [t5]", "---", f"# {name}", "",

@@ -101,7 +101,8 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
     # sharded as HF's save_pretrained shards: numbered files plus the index naming every tensor's file
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
-    assert len(shards) > 1 and shards == sorted(set(index["weight_map"].values())) and not (out / "model.safetensors").exists()
+    assert len(shards) > 1 and shards == sorted(set(index["weight_map"].values()))
+    assert not (out / "model.safetensors").exists()
     assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     model = load_pretrained(out)
     loaded = full_state_dict(model)

@@ -30,5 +30,6 @@ class SynthesizerT5Config(T5Config):
         for key in ("encoder_attention", "decoder_attention"):
             names = getattr(self, key).split("+")
             if any(name not in MIXERS for name in names) or len(set(names)) != len(names):
-                raise ValueError(f"{key} '{getattr(self, key)}': expected distinct names of {', '.join(MIXERS)} joined by '+'")
+                raise ValueError(f"{key} '{getattr(self, key)}': expected distinct names of {', '.join(MIXERS)} "
+                                 f"joined by '+'")
         super().__post_init__(**kwargs)
