@@ -17,6 +17,15 @@ if [ $(( SLURM_CPUS_ON_NODE / NPROC )) -ge 1 ]; then
 else
   STEP_LAYOUT+=(--overcommit)  # more processes than allocated CPUs, e.g. several gloo ranks per core
 fi
+# GPU steps (pretraining, fine-tuning) call this first: without the GPUs the site promises they would train in
+# bf16 on the CPU, silently; a job submitted without `source slurm/site.sh` (no --gpus-per-node) lands here
+require_gpus() {
+  if [ "${SITE_GPUS_PER_NODE:-0}" -gt 0 ] && [ "$gpus" -eq 0 ]; then
+    echo "$1: no GPU in this job, but slurm/site.sh says SITE_GPUS_PER_NODE=$SITE_GPUS_PER_NODE: submit after" \
+      "'source slurm/site.sh' (or with --gpus-per-node), or set SITE_GPUS_PER_NODE=0 for a CPU-only cluster" >&2
+    exit 2
+  fi
+}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))

@@ -202,7 +202,8 @@ def start_cluster() -> Iterator[SlurmCluster]:
     conf.write_text(_slurm_conf(root, ctld_port, node_ports))
     # jobs must not inherit this process's launcher variables (a test may hold a process group of its own)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
+    # SITE_GPUS_PER_NODE=0: the site file of a CPU-only cluster (the GPU jobs' guard, no --gpus-per-node)
+    cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf), "SITE_GPUS_PER_NODE": "0"})
     _add_hosts()
     logs = open(root / "log" / "daemons.out", "w")
     try:
