@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         _run(title, cmd, done, work / "logs" / f"stage{i + 1}.log", start)
     print(f"\n[{time.perf_counter() - start:6.0f}s] done. Scores (dev set, % ; _rank: rank classification):\n")
     print((finetune / "results.md").read_text())
-    print(f"exported model:   {export}  (T5 layout, loads with pretrain.export.load_pretrained)")
+    print(f"exported model:   {export}  (loads with AutoModelForSeq2SeqLM.from_pretrained(..., "
+          "trust_remote_code=True) or pretrain.export.load_pretrained)")
     print(f"TensorBoard logs: tensorboard --logdir {work}  (pretrain/tensorboard, finetune/tensorboard)")
     print(f"results:          {finetune / 'results.json'}; test predictions {finetune / 'submission' / 'SST-2.tsv'}")
 

@@ -77,13 +77,16 @@ def check_skip_budget(step: int, skipped: int, limit: int) -> None:
                        f"train.max_skipped_steps ({limit}); stopping, the last good checkpoint stays")
 
 
+# what a collective reports when the other end is gone or never answered (gloo, NCCL, the store)
+_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out",
+               "NCCL communicator was aborted", "Socket Timeout")
+
+
 def _is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because another rank died or failed first (gloo/NCCL errors, timeouts)."""
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL error", "gloo"))
+    """A collective that failed because another rank died or failed first. Errors before the process group
+    exists (the rendezvous: a busy port, a wrong address) are this rank's own and keep their traceback."""
+    return dist.is_initialized() and isinstance(e, (dist.DistError, RuntimeError)) and \
+        any(sign in str(e) for sign in _PEER_SIGNS)
 
 
 def _user_message(e: UsageError) -> str:

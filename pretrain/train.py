@@ -9,6 +9,7 @@ if __name__ == "__main__":  # answer --help before the heavy imports below (torc
     from pretrain.cli import exit_on_help
     exit_on_help("Config", prog="pretrain.train")
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepare_resume
-from pretrain.config import Config, UsageError, parse_args, save_config, to_yaml
+from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_deepspeed_config, build_engine
@@ -26,7 +27,7 @@ from pretrain.faults import run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging
 from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, to_device
 from pretrain.metrics import MetricsLogger, peak_flops
-from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax
+from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.parallel import ParallelDims, check_parallel, init_distributed
 from tokenizer.spm import Tokenizer
@@ -70,10 +71,8 @@ def train(cfg: Config) -> int:
     run_dir = Path(cfg.run.dir)
     lock = acquire_run_lock(run_dir, dims)
     try:
-        # 2. Tokenizer: the vocabulary the model must hold ----------------------------------------------------------
-        num_ids = Tokenizer(cfg.data.tokenizer).num_ids
-        if num_ids > cfg.model.vocab_size:
-            raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's {num_ids} ids")
+        # 2. Tokenizer: the ids the model must hold (model.vocab_size 0: the tokenizer's; rows are padded inside)
+        cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
 
         # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one ----
         root = run_dir / "checkpoints"
@@ -97,7 +96,7 @@ def train(cfg: Config) -> int:
 
         # 6. Checkpoints (engine, progress, data position, RNG) and restore ---------------------------------------
         progress = Progress()
-        # the padded vocabulary rows take part in the softmax, so a reshard must keep all model.vocab_size rows
+        # a reshard keeps the token rows and pads them anew for the new TP (padding rows are masked, see t5.py)
         checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=loader,
                                         config_yaml=to_yaml(cfg),
                                         universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))

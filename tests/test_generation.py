@@ -11,6 +11,7 @@ from transformers import T5ForConditionalGeneration
 from pretrain.config import ModelConfig
 from pretrain.model import build_local_model, full_state_dict, generate_greedy
 from pretrain.model.hf_convert import hf_config, to_hf_state_dict
+from tests.test_hf_parity import randomize_constant_parameters
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
@@ -45,6 +46,7 @@ def test_cached_equals_recomputed(spec):
 def test_vanilla_greedy_equals_huggingface_generate(tmp_path):
     torch.manual_seed(0)
     ours = build_local_model(CFG).eval()
+    randomize_constant_parameters(ours)  # distinct norm weights: a swapped norm mapping must show
     hf = T5ForConditionalGeneration(hf_config(CFG))
     hf.lm_head.weight = torch.nn.Parameter(torch.empty_like(hf.lm_head.weight))  # untie before loading
     hf.load_state_dict(to_hf_state_dict(full_state_dict(ours), CFG))

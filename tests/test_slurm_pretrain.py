@@ -7,7 +7,9 @@
 - the time-limit path: USR1 to the batch shell, as slurmctld sends it `--signal=B:USR1@<s>` before the limit
   (here with `scancel --batch --signal=USR1`, since a real limit is at least a minute and the signal comes up
   to 30 s late); the trainer checkpoints, the script requeues the job, the job resumes; with MAX_RESTARTS=1 the
-  second USR1 ends it with the trainer's "preempted" exit code instead of a third run.
+  second USR1 ends it with the trainer's "preempted" exit code instead of a third run;
+- a node lost mid-run (rank 1's python SIGKILLed after its third step, loader workers on): the job ends FAILED
+  at once, is not requeued, and rank 0 says in one line that another rank failed first.
 
 The three jobs and the reference run go at once (--oversubscribe), so the requeue delays overlap.
 """
@@ -73,6 +75,7 @@ class Runs:
     full: Job  # 2 nodes x 2 processes, uninterrupted
     requeued: Job  # 2 x 1, `scontrol requeue` once
     usr1: Job  # 2 x 1, USR1 twice, MAX_RESTARTS=1
+    lost: Job  # 2 x 1, rank 1 killed after step 3
     reference: list[tuple[int, float]]  # launch.local, 2 processes
     info: dict[str, dict[str, str]]  # final `scontrol show job` per job id
 
@@ -92,6 +95,17 @@ def runs(slurm_cluster: SlurmCluster, shards: PreparedData, tmp_path_factory: py
     full = _submit(slurm_cluster, tmp, "full", shards, 2, "train.micro_batch=2")  # global 8 = 2 x 4 ranks
     requeued = _submit(slurm_cluster, tmp, "requeued", shards, 1)
     usr1 = _submit(slurm_cluster, tmp, "usr1", shards, 1, MAX_RESTARTS="1")
+    # the interpreter of rank 1 (SLURM_PROCID 1) is SIGKILLed once the run has logged 3 steps: a node lost
+    killer = tmp / "python_lost_rank1"
+    killer.write_text(f"""#!/bin/bash
+if [ "$SLURM_PROCID" = 1 ]; then
+  ( while [ "$(wc -l < {tmp / 'lost' / 'metrics.jsonl'} 2>/dev/null || echo 0)" -lt 3 ]; do sleep 0.2; done
+    kill -9 $$ ) &
+fi
+exec {REPO / '.venv' / 'bin' / 'python'} "$@"
+""")
+    killer.chmod(0o755)
+    lost = _submit(slurm_cluster, tmp, "lost", shards, 1, "data.workers=1", "parallel.timeout_s=60", PYTHON=str(killer))
     with open(tmp / "reference.out", "w") as reference_log:
         reference = subprocess.Popen(
             [sys.executable, "-m", "launch.local", "--nproc-per-node", "2", *_train_args(tmp / "reference", shards)],
@@ -112,13 +126,13 @@ def runs(slurm_cluster: SlurmCluster, shards: PreparedData, tmp_path_factory: py
             usr1.stops.append(_last_step(usr1.run_dir))
             slurm_cluster.run("scancel", "--batch", "--signal=USR1", usr1.id)
         # a requeued job is PENDING, not finished, from the moment `scontrol requeue` returns
-        jobs_ended = all(state(j)["JobState"] in TERMINAL_STATES for j in (full, requeued, usr1))
+        jobs_ended = all(state(j)["JobState"] in TERMINAL_STATES for j in (full, requeued, usr1, lost))
         if jobs_ended and reference.poll() is not None:
             break
         time.sleep(0.3)
     assert reference.returncode == 0, (tmp / "reference.out").read_text()[-3000:]
-    yield Runs(full, requeued, usr1, _losses(tmp / "reference"),
-               {j.id: state(j) for j in (full, requeued, usr1)})
+    yield Runs(full, requeued, usr1, lost, _losses(tmp / "reference"),
+               {j.id: state(j) for j in (full, requeued, usr1, lost)})
 
 
 def test_two_nodes_two_processes_train_to_the_end(runs: Runs) -> None:
@@ -136,7 +150,7 @@ def test_scontrol_requeue_continues_without_a_gap(runs: Runs) -> None:
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.summary()
     text = job.text()  # --open-mode=append: both runs' output in one file
     assert "run 0 on 2 nodes x 1 processes" in text and "run 1 on 2 nodes x 1 processes" in text
-    assert f"trainer exited with {EXIT_PREEMPTED}" in text, job.summary()  # run 0 checkpointed on SIGTERM
+    assert f"pretrain.train: exited with {EXIT_PREEMPTED}" in text, job.summary()  # run 0 checkpointed on SIGTERM
     assert "requeueing" not in text  # SLURM requeued it; the script must not requeue a second time
     losses = _losses(job.run_dir)
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))  # every step logged once: no gap, no repeat
@@ -157,3 +171,13 @@ def test_usr1_checkpoints_requeues_and_stops_at_max_restarts(runs: Runs) -> None
     assert [s for s, _ in losses] == list(range(1, last + 1))
     assert [l for _, l in losses] == pytest.approx([l for _, l in runs.reference[:last]], rel=1e-5)
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last}"
+
+
+def test_a_lost_node_ends_the_job_without_a_requeue(runs: Runs) -> None:
+    job, info = runs.lost, runs.info[runs.lost.id]
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", job.summary()
+    text = job.text()
+    assert "requeueing" not in text
+    # rank 0 either noticed first (one line) or srun's --kill-on-bad-exit ended it: never a hang to the time limit
+    assert "another rank failed first" in text or "task 0: Killed" in text or "Terminating" in text, job.summary()
+    assert not (job.run_dir / "checkpoints" / "latest").exists()  # checkpoint.every=10: nothing half saved
