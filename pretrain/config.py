@@ -173,7 +173,6 @@ def _explain(err: OmegaConfBaseException, schema: type) -> str:
     return f"config error at '{key}': {str(err).splitlines()[0]}"
 
 
-def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
 def _with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
     """The YAML file at `path` after the files its `base:` key names (relative to it), bases first: size
     configs share one recipe file and state only what differs."""
@@ -197,6 +196,7 @@ def _with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
     return _with_bases(path.parent / base, seen + (path.resolve(),)) + [data]
 
 
+def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build `schema` from its defaults, then the YAML file at `path` (after the files its `base:` names),
     then `section.key=value` overrides."""
     merged = OmegaConf.structured(schema)
