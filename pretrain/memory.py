@@ -105,13 +105,14 @@ def tp_shapes(tp: int) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def meta_model(cfg: Config, tp: int) -> torch.nn.Module:
-    """This TP rank's shard of the model on the meta device, in the training dtype; allocates nothing and
-    draws nothing from torch's generators."""
+def meta_model(cfg: Config, tp: int, device: str = "cuda") -> torch.nn.Module:
+    """This TP rank's shard of the model on the meta device, in the training dtype, taking the attention code
+    path it takes on `device`; allocates nothing and draws nothing from torch's generators."""
     from pretrain.model import build_model  # imported where used: pretrain.model imports this module's users
 
     with tp_shapes(tp), torch.device("meta"):
-        model = build_model(cfg.model)
+        # sdpa None picks the path from the tensors' device at run time, which on meta is not the job's
+        model = build_model(cfg.model, sdpa=True if device == "cuda" else None)
     return model.to(_DTYPES[cfg.precision])
 
 
@@ -175,7 +176,7 @@ _SAVED_BY_KERNEL: list[torch.Tensor] = []
 
 def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int, device: str = "cuda") -> ActivationTrace:
     """Bytes autograd saves in one training forward of `micro_batch` sequences, per region of the model."""
-    model = meta_model(cfg, tp)
+    model = meta_model(cfg, tp, device)
     model.train()
     params = {id(p) for p in model.parameters()}
     seen: dict[int, tuple[int, str]] = {}

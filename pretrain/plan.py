@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.config import Config, ConfigError, UsageError, load_config
+from pretrain.config import Config, UsageError, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_deepspeed_config
 from pretrain.memory import GiB, MemoryEstimate, estimate_memory
@@ -51,17 +51,22 @@ class Layout:
 
 def check_job(cfg: Config, world: int, gpu_memory_bytes: int | None = None) -> Layout:
     """Every start-up rule the trainer checks before allocating, for `world` processes; a mistake is a
-    ValueError (UsageError for the micro batch) whose message is one line. `train.micro_batch: auto` needs
+    UsageError whose message is one line. `train.micro_batch: auto` needs
     `gpu_memory_bytes` (without it: the whole per-rank batch in one pass, no accumulation)."""
     tp = cfg.parallel.tensor
-    check_parallel(cfg.model, tp, world)
-    check_model(cfg.model, tp)
-    dp = world // tp
-    target_length = input_and_target_lengths(cfg.data.input_length, cfg.data.noise_density,
-                                             cfg.data.mean_noise_span_length)[1]
-    micro = _micro_batch(cfg, tp, dp, target_length, gpu_memory_bytes)
-    train = dataclasses.replace(cfg.train, micro_batch=micro)
-    ds = build_deepspeed_config(train, cfg.zero, cfg.precision, dp)  # batch split, stage, precision, optimizer
+    try:
+        check_parallel(cfg.model, tp, world)
+        check_model(cfg.model, tp)
+        dp = world // tp
+        target_length = input_and_target_lengths(cfg.data.input_length, cfg.data.noise_density,
+                                                 cfg.data.mean_noise_span_length)[1]
+        micro = _micro_batch(cfg, tp, dp, target_length, gpu_memory_bytes)
+        train = dataclasses.replace(cfg.train, micro_batch=micro)
+        ds = build_deepspeed_config(train, cfg.zero, cfg.precision, dp)  # batch split, stage, precision, optimizer
+    except UsageError:
+        raise
+    except ValueError as e:  # the checks' one-line messages are the user's mistakes
+        raise UsageError(str(e)) from None
     return Layout(
         world=world, tp=tp, dp=dp, zero_stage=cfg.zero.stage, micro_batch=micro,
         accumulation=ds["gradient_accumulation_steps"], input_length=cfg.data.input_length,
@@ -131,7 +136,7 @@ def _advice(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, devic
     for key, value, changed in _alternatives(cfg, layout):
         try:
             alt_layout = check_job(changed, layout.world)
-        except ValueError:
+        except UsageError:
             continue
         alt = _estimate(changed, alt_layout.tp, alt_layout.dp, alt_layout.micro_batch, alt_layout.target_length,
                         device)
@@ -210,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(cfg, layout, est, memory))
         if est.total > memory:
             raise UsageError(_advice(cfg, layout, est, memory, "cuda"))
-    except (ValueError, ConfigError) as e:
+    except UsageError as e:
         print(f"pretrain.plan: {e}", file=sys.stderr)
         return 2
     print(f"fits: {est.total / GiB:.1f} of {memory / GiB:.0f} GiB")

@@ -72,7 +72,7 @@ if want prepare; then
   submit index slurm/prepare_data.sbatch --job-name=index -- "${prepare[@]}"
 fi
 if want pretrain; then
-  submit pretrain slurm/pretrain.sbatch --nodes="$nodes" --output="$work/logs/%x-%j.out" -- --config "$config" \
+  submit pretrain slurm/pretrain.sbatch --nodes="$nodes" --gpus-per-node="$SITE_GPUS_PER_NODE" --output="$work/logs/%x-%j.out" -- --config "$config" \
     data.train="$work/shards" data.tokenizer="$tokenizer" run.dir="$work/run" "$@"
 fi
 if want export; then
@@ -80,6 +80,6 @@ if want export; then
 fi
 if want finetune && [ -n "$finetune_tasks" ]; then
   IFS=, read -r -a names <<< "$finetune_tasks"
-  submit finetune slurm/finetune.sbatch --array=0-$(( ${#names[@]} - 1 )) --output="$work/logs/%x-%A_%a.out" -- \
+  submit finetune slurm/finetune.sbatch --gpus-per-node="$SITE_GPUS_PER_NODE" --array=0-$(( ${#names[@]} - 1 )) --output="$work/logs/%x-%A_%a.out" -- \
     --tasks "$finetune_tasks" --data "$finetune_data" --init "$work/export" --runs "$work/finetune"
 fi

@@ -9,13 +9,16 @@
 SITE_PARTITION=${SITE_PARTITION:-}        # e.g. gpu
 SITE_ACCOUNT=${SITE_ACCOUNT:-}            # e.g. project1234
 SITE_QOS=${SITE_QOS:-}
-SITE_GPUS_PER_NODE=${SITE_GPUS_PER_NODE-8}  # sbatch --gpus-per-node of every job; 0 on CPU-only clusters
+SITE_GPUS_PER_NODE=${SITE_GPUS_PER_NODE-8}  # GPUs per node of the GPU jobs (pretrain, finetune); 0: CPU-only cluster
 SITE_TIME=${SITE_TIME:-}                  # time limit per job run, e.g. 24:00:00 (a requeued run starts afresh)
 
 if [ -n "$SITE_PARTITION" ]; then export SBATCH_PARTITION=$SITE_PARTITION; fi
 if [ -n "$SITE_ACCOUNT" ]; then export SBATCH_ACCOUNT=$SITE_ACCOUNT; fi
 if [ -n "$SITE_QOS" ]; then export SBATCH_QOS=$SITE_QOS; fi
-if [ "${SITE_GPUS_PER_NODE:-0}" -gt 0 ]; then export SBATCH_GPUS_PER_NODE=$SITE_GPUS_PER_NODE; fi
+# pretrain.sbatch and finetune.sbatch ask for 8 GPUs per node (#SBATCH --gpus-per-node=8), pipeline.sh for
+# SITE_GPUS_PER_NODE; the CPU jobs (tokenizer, data, export, reshard) for none. A CPU-only site asks for none
+# everywhere; elsewhere a bare `sbatch` of a GPU job with another count takes --gpus-per-node N.
+if [ "${SITE_GPUS_PER_NODE:-0}" -eq 0 ]; then export SBATCH_GPUS_PER_NODE=0; fi
 if [ -n "$SITE_TIME" ]; then export SBATCH_TIMELIMIT=$SITE_TIME; fi
 
 # --- the job's environment ---------------------------------------------------------------------------------

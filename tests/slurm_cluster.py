@@ -202,8 +202,9 @@ def start_cluster() -> Iterator[SlurmCluster]:
     conf.write_text(_slurm_conf(root, ctld_port, node_ports))
     # jobs must not inherit this process's launcher variables (a test may hold a process group of its own)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    # SITE_GPUS_PER_NODE=0: the site file of a CPU-only cluster (the GPU jobs' guard, no --gpus-per-node)
-    cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf), "SITE_GPUS_PER_NODE": "0"})
+    # a CPU-only site (slurm/site.sh): GPU jobs ask for no GPU (SBATCH_GPUS_PER_NODE beats their #SBATCH line)
+    cpu_site = {"SITE_GPUS_PER_NODE": "0", "SBATCH_GPUS_PER_NODE": "0"}
+    cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf), **cpu_site})
     _add_hosts()
     logs = open(root / "log" / "daemons.out", "w")
     try:

@@ -148,3 +148,36 @@ def test_init_distributed_rejects_world_not_multiple_of_tp(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"world size \(3\) must be a multiple of parallel.tensor \(2\)"):
         init_distributed(ParallelConfig(tensor=2), seed=0)  # raises before joining any process group
+
+
+def _train_tiny(rank: int, world: int, run_dir: str, shards) -> int:
+    from pretrain.config import Config, load_config
+    from pretrain.train import train
+
+    return train(load_config(Config, "configs/tiny.yaml", [
+        f"run.dir={run_dir}", "train.steps=4", "checkpoint.every=4", "eval.every=0", "log.every=2",
+        f"data.train={shards.train}", f"data.tokenizer={shards.tokenizer}", "data.workers=0"]))
+
+
+def test_reshard_writes_the_universal_checkpoint_of_the_latest(shards, tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    assert run_distributed(_train_tiny, 1, str(run), shards) == [0]
+    cli = [sys.executable, "-m", "pretrain.reshard", "--run", str(run), "--workers", "2"]
+    done = subprocess.run(cli, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    universal = run / "checkpoints" / "step_4_universal"
+    assert done.stdout.strip().splitlines()[-1] == str(universal) and "reshard step_4" in done.stderr  # progress
+    # every parameter in full TP-1 shape equals the weights DeepSpeed saved (fp32 run: module = master)
+    module = torch.load(run / "checkpoints" / "step_4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    params = {k: v for k, v in module.items() if not k.endswith("_extra_state")}
+    assert {p.name for p in (universal / "zero").iterdir()} >= set(params)
+    for name, value in params.items():
+        torch.testing.assert_close(torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)["param"],
+                                   value, rtol=0, atol=0, msg=name)
+    again = subprocess.run(cli, capture_output=True, text=True)
+    assert again.returncode == 0 and "exists already" in again.stderr
+    missing = subprocess.run([*cli[:4], str(tmp_path / "none")], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.strip().endswith("no checkpoints/ in it")

@@ -51,11 +51,13 @@ def check_model(cfg: ModelConfig, tp: int = 1) -> None:
 
 
 def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none", compile: bool = False,
-                sdpa: bool | None = None) -> T5Model:
-    """The model for this rank (its TP shard), on CPU in fp32, from megatron's parallel state.
+                sdpa: bool | None = None, device: torch.device | str = "cpu") -> T5Model:
+    """The model for this rank (its TP shard), in fp32 on `device`, from megatron's parallel state.
 
-    Every rank draws the full weights from torch's global RNG and keeps its slice, so TP=N and TP=1 start
-    as the same function given the same `torch.manual_seed`. activation_checkpointing: none, full or
+    Every rank draws the full weights from `device`'s generator one parameter at a time and keeps its slice,
+    so TP=N and TP=1 start as the same function given the same `torch.manual_seed` (on one device type: CUDA
+    and CPU generators draw different numbers), and built on the GPU (the trainer passes its device) the host
+    never holds the model: only this shard plus one parameter's full tensor exist, on the device. activation_checkpointing: none, full or
     selective (true/false: full/none); compile: torch.compile each encoder and decoder layer; sdpa: None picks
     SDPA or materialised logits for vanilla attention by device, True / False force one (see attention.py).
     """
@@ -68,8 +70,9 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
     mp_config = ModelParallelConfig(
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
     )
-    model = T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp,
-                    checkpointing_mode(activation_checkpointing), sdpa)
+    with torch.device(device):
+        model = T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp,
+                        checkpointing_mode(activation_checkpointing), sdpa)
     if compile:
         model.compile_layers()
     return model
