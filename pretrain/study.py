@@ -193,7 +193,7 @@ def prepare_data(cfg: StudyConfig) -> None:
             raise SystemExit(f"study: data stage '{name}' failed; its output is in {root / 'logs'}")
 
 
-def _stage(cfg: StudyConfig, cell: Cell, name: str, cmd: list[str]) -> bool:
+def _stage(cell: Cell, name: str, cmd: list[str]) -> bool:
     """Run one stage of a cell unless its marker exists; on failure record failed.json and return False."""
     marker = cell.dir / "done" / name
     if marker.exists():
@@ -217,20 +217,20 @@ def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
             f"run.seed={cell.seed}", f"model.encoder_attention={cell.variant.encoder}",
             f"model.decoder_attention={cell.variant.decoder}", f"data.train={data['train']}",
             f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}"]
-    return _stage(cfg, cell, "pretrain", _module(cfg, "pretrain.train", args))
+    return _stage(cell, "pretrain", _module(cfg, "pretrain.train", args))
 
 
 def run_downstream(cfg: StudyConfig, cell: Cell) -> bool:
     """Export, then fine-tune and evaluate on each task; then the cell's row (cell.json) as the last write."""
     export = cell.dir / "export"
     cmd = [sys.executable, "-m", "pretrain.export", "--run", str(cell.dir / "pretrain"), "--output", str(export)]
-    if not export.is_dir() and not _stage(cfg, cell, "export", cmd):
+    if not export.is_dir() and not _stage(cell, "export", cmd):
         return False
     for task in cfg.study.tasks:
         args = ["--config", task.config or f"configs/finetune/{task.name}.yaml", *cfg.finetune.overrides,
                 f"init={export}", f"data.dir={task.data or data_paths(cfg)['polarity']}",
                 f"run.dir={cell.dir / 'finetune' / task.name}", f"run.seed={cell.seed}"]
-        if not _stage(cfg, cell, f"finetune-{task.name}", _module(cfg, "pretrain.finetune", args)):
+        if not _stage(cell, f"finetune-{task.name}", _module(cfg, "pretrain.finetune", args)):
             return False
     row = cell_row(cfg, cell)
     (cell.dir / "cell.json.tmp").write_text(json.dumps(row, indent=1) + "\n")
