@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         if dims.device.type == "cuda":
             torch.cuda.empty_cache()
         _reset_peak_memory(dims.device)
-        engine = build_engine(build_model(model_cfg, checkpointing, args.compile, sdpa), train, cfg.zero,
-                              precision, dims.dp)
+        model = build_model(model_cfg, checkpointing, args.compile, sdpa, device=dims.device)  # as the trainer
+        engine = build_engine(model, train, cfg.zero, precision, dims.dp)
         install_skip_guard(engine)
         batches = to_device(itertools.repeat(batch), dims.device)
         times = []
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((_label(variant, sdpa), f"{median * 1e3:.1f}", f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}",
                      f"{micro * (input_length + target_length) / median:.0f}", f"{flops / median / 1e12:.3g}",
                      f"{flops / median / peak:.1%}" if peak else "n/a", f"{memory / 2**30:.2f}"))
-        del engine, batches
+        del engine, model, batches
     table = "\n".join("| " + " | ".join(r) + " |" for r in [columns, ("---",) * len(columns), *rows])
     if dims.rank == 0:
         print(header)
