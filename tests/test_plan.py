@@ -137,3 +137,21 @@ def test_planner_verdicts(capsys):
     assert "set train.activation_checkpointing=full" in err  # selective is not enough at 40 GiB
     code, out, err = _plan(capsys, *shape, "parallel.tensor=3")
     assert code == 2 and "must be a multiple of parallel.tensor (3)" in err
+
+
+def test_trainer_side_check_leaves_the_real_process_groups_alone():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from pretrain.plan import check_memory
+
+    init_single_process()  # a launched process: real groups (TP 1) exist
+    group, all_reduce = parallel_state.get_tensor_model_parallel_group(), dist.all_reduce
+    cfg = load_config(Config, "configs/xl.yaml", ["parallel.tensor=2", "train.micro_batch=4"])
+    layout = check_job(cfg, world=2)
+    estimate = check_memory(cfg, layout, 80 * 2**30)  # traced as TP rank 0 of 2
+    assert estimate.num_params < 2.85e9 * 0.55
+    assert parallel_state.get_tensor_model_parallel_group() is group and dist.all_reduce is all_reduce
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1 and dist.is_initialized()
+    with pytest.raises(ValueError, match=r"^does not fit: needs [0-9.]+ GiB per GPU of 8 GiB"):
+        check_memory(cfg, layout, 8 * 2**30)
