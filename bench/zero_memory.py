@@ -1,5 +1,6 @@
 """Per-rank memory of parameters, gradients and optimizer states under ZeRO 0-3 at DP = 2 and 4, counted
-in tensor bytes on every rank, against the ZeRO paper's formulas (Rajbhandari et al. 2020, fig. 1); and
+in tensor bytes on every rank, against the planner's model-state bytes (pretrain.memory, the ZeRO paper's
+formulas, Rajbhandari et al. 2020, fig. 1, in DeepSpeed's layout); and
 the step time of the DeepSpeed engine against a plain PyTorch loop (DDP + torch AdamW) on the same model.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.zero_memory [--dp 2 4] [--steps 5]
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 
 from pretrain.config import Config, ParallelConfig, load_config
 from pretrain.engine import build_engine
+from pretrain.memory import model_state_bytes
 from pretrain.model import build_model
 from pretrain.parallel import destroy_distributed, init_distributed
 
@@ -55,12 +57,10 @@ def _measure(engine, batch: dict) -> dict[str, int]:
 
 
 def _formula(stage: int, num_params: int, dp: int) -> dict[str, float]:
-    psi = num_params
-    return {
-        "params": 4 * psi / (dp if stage >= 3 else 1),
-        "grads": 4 * psi / (dp if stage >= 2 else 1),
-        "optimizer": 8 * psi if stage == 0 else 12 * psi / dp,  # m + v; with ZeRO also the fp32 master partition
-    }
+    """The planner's bytes (pretrain.memory) of fp32 AdamW; ZeRO 1's gradient is the whole one it counts, which
+    lives until the end of the backward, not the partition measured after it."""
+    params, grads, optimizer = model_state_bytes(num_params, "fp32", stage, dp, "adamw")
+    return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
 def _time_steps(step, batch: dict, steps: int) -> float:
