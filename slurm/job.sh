@@ -58,9 +58,11 @@ run_requeueable() {
   wait "$step"
   while kill -0 "$step" 2>/dev/null; do wait "$step"; done
   wait "$step"; rc=$?
-  # with --kill-on-bad-exit the first task to exit 75 may get its peers killed while they exit too, so the
-  # step's code can be a kill rather than 75: after our own USR1, any failure is the preemption we asked for
-  if [ "$rc" -ne 0 ] && [ "$signalled" != TERM ] && { [ "$rc" -eq "$EXIT_PREEMPTED" ] || [ "$signalled" = USR1 ]; }; then
+  # with --kill-on-bad-exit the first task to exit 75 gets its peers killed while they exit too (their checkpoint
+  # is saved by then: every rank passed the save's last barrier), so after our own USR1 a step that ended by a
+  # signal is the preemption we asked for; an incomplete save would have no marker and is never resumed
+  if [ "$signalled" = USR1 ] && [ "$rc" -gt 128 ]; then rc=$EXIT_PREEMPTED; fi
+  if [ "$rc" -eq "$EXIT_PREEMPTED" ] && [ "$signalled" != TERM ]; then
     if [ "$restarts" -lt "$MAX_RESTARTS" ]; then
       echo "$module: checkpoint saved, requeueing job $SLURM_JOB_ID (restart $(( restarts + 1 )))"
       scontrol requeue "$SLURM_JOB_ID"

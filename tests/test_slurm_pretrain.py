@@ -150,7 +150,7 @@ def test_scontrol_requeue_continues_without_a_gap(runs: Runs) -> None:
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.summary()
     text = job.text()  # --open-mode=append: both runs' output in one file
     assert "run 0 on 2 nodes x 1 processes" in text and "run 1 on 2 nodes x 1 processes" in text
-    assert f"pretrain.train: exited with {EXIT_PREEMPTED}" in text, job.summary()  # run 0 checkpointed on SIGTERM
+    assert f"checkpoint saved, exiting {EXIT_PREEMPTED}" in text, job.summary()  # run 0 checkpointed on SIGTERM
     assert "requeueing" not in text  # SLURM requeued it; the script must not requeue a second time
     losses = _losses(job.run_dir)
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))  # every step logged once: no gap, no repeat
