@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.config import Config
 
@@ -76,6 +77,13 @@ def _no_collective(*args, **kwargs) -> None:
     return None
 
 
+class _NoRngTracker:
+    """megatron's RNG tracker while tracing: dropout on meta tensors draws nothing, so no stream is needed."""
+
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
 _STATE = ("_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
           "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK")
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
@@ -87,6 +95,7 @@ def tp_shapes(tp: int) -> Iterator[None]:
     """Build and run meta models as TP rank 0 of `tp`; megatron's state and torch.distributed are restored."""
     saved = {name: getattr(parallel_state, name) for name in _STATE}
     collectives = {name: getattr(dist, name) for name in _COLLECTIVES}
+    tracker = (mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     try:
         parallel_state._TENSOR_MODEL_PARALLEL_GROUP = _StandInGroup(tp)
         parallel_state._PIPELINE_MODEL_PARALLEL_GROUP = _StandInGroup(1)
@@ -97,8 +106,10 @@ def tp_shapes(tp: int) -> Iterator[None]:
             setattr(dist, name, _no_collective)
         dist.is_initialized = lambda: True  # megatron reads the group from its state only in a "launched" process
         dist.get_rank = lambda group=None: 0
+        mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoRngTracker(), True
         yield
     finally:
+        mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
         for name, value in saved.items():
             setattr(parallel_state, name, value)
         for name, fn in collectives.items():

@@ -53,6 +53,15 @@ def test_activation_estimate_within_25_percent_of_measured_peak(mixer, mode):
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
+@pytest.mark.parametrize("mixer", ["vanilla", "random+vanilla"])
+def test_activation_estimate_counts_dropout_masks(mixer):
+    cfg = load_config(Config, "configs/tiny.yaml", SMALL + [f"model.encoder_attention={mixer}",
+                                                            f"model.decoder_attention={mixer}", "model.dropout=0.1"])
+    measured = _measured_peak(cfg, 8, 128, 28, "none")
+    estimate = activation_bytes(trace_activations(cfg, 1, 8, 28, device="cpu"), "none")
+    assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
+
+
 def _zero_states(rank: int, world: int) -> list[tuple[int, int, dict[str, int]]]:
     """bench.zero_memory's measurement of a real engine at DP `world`, ZeRO 0-3, and the parameter count."""
     from bench.zero_memory import MODEL_OVERRIDES, _measure
