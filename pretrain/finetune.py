@@ -155,9 +155,9 @@ def fit_vocab(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], num_i
 
 
 def build_from_export(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], freeze_mixture: bool,
-                      activation_checkpointing: bool = False) -> T5Model:
+                      activation_checkpointing: str | bool = "none", compile: bool = False) -> T5Model:
     """This rank's TP shard of the exported model (every TP size: the full weights are sliced here)."""
-    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing)
+    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile)
     load_full_state_dict(model, full_state)
     if freeze_mixture:
         for name, param in model.named_parameters():
@@ -239,7 +239,8 @@ def finetune(cfg: FinetuneConfig) -> int:
         root = run_dir / "checkpoints"
         resume = find_resume(cfg.checkpoint, root)
         plan = prepare_resume(resume, model_cfg, dims, cfg.parallel.timeout_s) if resume else None
-        model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing)
+        model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
+                                  cfg.train.compile)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
 
