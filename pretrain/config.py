@@ -220,8 +220,10 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 
 def to_yaml(cfg) -> str:
-    """The resolved config as YAML (what `config.yaml` in the run folder holds)."""
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    """The resolved config as YAML (what `config.yaml` in the run folder holds), credentials in URLs hidden."""
+    from pretrain.data.remote import redact  # stdlib only; imported here to keep config.py's imports minimal
+
+    return redact(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 
 def save_config(cfg, path: str | Path) -> None:

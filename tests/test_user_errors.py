@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pretrain.config import Config, ConfigError, TrainConfig, UsageError, load_config
+from pretrain.config import Config, ConfigError, TrainConfig, UsageError, load_config, to_yaml
 from pretrain.data.prepare import prepare
 from pretrain.faults import EXIT_FAILED, EXIT_USAGE, run_with_exit_codes
 from pretrain.loop import check_train_config
@@ -60,3 +60,10 @@ def test_a_c4_file_that_is_not_gzip(tmp_path, tokenizer_model):
     with gzip.open(good, "wt") as f:
         f.write(json.dumps({"text": "a real document"}) + "\n")
     assert prepare([str(good)], tmp_path / "ok", tokenizer_model, workers=1)["documents"] == 1
+
+
+def test_credentials_in_shard_urls_do_not_reach_the_saved_config():
+    cfg = load_config(Config, None, ["data.train=https://alice:s3cret@data.example/c4/shard-{0..7}.tar?token=t0ken"])
+    saved = to_yaml(cfg)
+    assert "s3cret" not in saved and "t0ken" not in saved and "alice" not in saved
+    assert "data.example/c4/shard-{0..7}.tar" in saved  # the rest of the address stays readable
