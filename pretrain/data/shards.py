@@ -31,6 +31,7 @@ import numpy as np
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from pretrain.config import UsageError
 from pretrain.data.remote import open_http
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def expand_shards(spec: str) -> list[str]:
     """Shard paths or URLs of a spec, in a fixed order; matching nothing is a one-line ValueError."""
     spec = spec.strip()
     if not spec:
-        raise ValueError("no shards given: set data.train / data.valid to a directory, glob, brace pattern or URL")
+        raise UsageError("no shards given: set data.train / data.valid to a directory, glob, brace pattern or URL")
     if spec.startswith(_URL_SCHEMES):
         return list(braceexpand.braceexpand(spec))
     if os.path.isdir(spec):
@@ -101,11 +102,11 @@ def expand_shards(spec: str) -> list[str]:
         found = [p for p in braceexpand.braceexpand(spec) if os.path.exists(p)]
         missing = sum(1 for p in braceexpand.braceexpand(spec) if not os.path.exists(p))
         if missing and found:
-            raise ValueError(f"{missing} shards of {spec!r} do not exist; prepare them or narrow the pattern")
+            raise UsageError(f"{missing} shards of {spec!r} do not exist; prepare them or narrow the pattern")
     else:
         found = sorted(globlib.glob(spec))
     if not found:
-        raise ValueError(f"no shards match {spec!r}; prepare them with `python -m pretrain.data.prepare`")
+        raise UsageError(f"no shards match {spec!r}; prepare them with `python -m pretrain.data.prepare`")
     return found
 
 

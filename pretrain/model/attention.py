@@ -29,7 +29,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, UsageError
 from pretrain.model.synthesizer import build_synthesizer, head_parameter
 
 MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
@@ -40,11 +40,11 @@ def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
     names = tuple(spec.split("+"))
     for name in names:
         if name not in MIXERS:
-            raise ValueError(
+            raise UsageError(
                 f"{key} '{spec}': unknown mixer '{name}'; valid: {', '.join(MIXERS)}, or a mixture 'a+b[+c]'"
             )
     if len(set(names)) != len(names):
-        raise ValueError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
+        raise UsageError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
     return names
 
 
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
         b, n, _ = x.shape
         start = cache.get("len", 0) if cache is not None else 0
         if self.synth and start + n > self.max_length:
-            raise ValueError(
+            raise UsageError(
                 f"sequence length {start + n} exceeds model.max_length ({self.max_length}) of the synthesized "
                 f"attention; raise model.max_length or shorten the inputs"
             )

@@ -17,7 +17,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, UsageError
 from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, parse_mixers
 from pretrain.model.loss import vocab_parallel_cross_entropy
 from pretrain.parallel import padded_vocab_size
@@ -136,7 +136,7 @@ def checkpointing_mode(value: str | bool) -> str:
     """train.activation_checkpointing -> none | full | selective; true / false (older configs) mean full / none."""
     mode = {"true": "full", "false": "none"}.get(str(value).lower(), str(value).lower())
     if mode not in CHECKPOINTING:
-        raise ValueError(f"train.activation_checkpointing '{value}' must be one of {', '.join(CHECKPOINTING)}")
+        raise UsageError(f"train.activation_checkpointing '{value}' must be one of {', '.join(CHECKPOINTING)}")
     return mode
 
 

@@ -2,6 +2,7 @@
 their submission files. `get_task(name)` is the registry; names are those of results.json ("sst2", "boolq")."""
 from __future__ import annotations
 
+from pretrain.config import UsageError
 from pretrain.tasks.glue import GLUE_TASKS
 from pretrain.tasks.superglue import SUPERGLUE_TASKS
 from pretrain.tasks.task import Example, Split, Task, TaskFileError
@@ -11,7 +12,7 @@ TASKS: dict[str, Task] = {t.name: t for t in GLUE_TASKS + SUPERGLUE_TASKS}
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
+        raise UsageError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
     return TASKS[name]
 
 

@@ -20,6 +20,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from pretrain.config import UsageError
 from pretrain.data.fetch import default_cache
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,10 @@ def fetch_polarity(out: str | Path, cache: str | Path = DEFAULT_CACHE, num_dev: 
     if all((out / f).is_file() for f in ("train.tsv", "dev.tsv", "test.tsv")):
         return out
     if out.exists():
-        raise ValueError(f"{out} exists but lacks train.tsv/dev.tsv/test.tsv; remove it or choose another --output")
+        raise UsageError(f"{out} exists but lacks train.tsv/dev.tsv/test.tsv; remove it or choose another --output")
     pairs = read_polarity(download_archive(Path(cache)))
     if min(num_dev, num_test) < 1 or num_dev + num_test >= len(pairs):
-        raise ValueError(f"--dev ({num_dev}) and --test ({num_test}) must each be at least 1 and leave training "
+        raise UsageError(f"--dev ({num_dev}) and --test ({num_test}) must each be at least 1 and leave training "
                          f"sentences out of {len(pairs)}")
     write_sst2_layout(pairs, out, num_dev, num_test, seed)
     log.info("wrote %d train, %d dev, %d test sentences to %s", len(pairs) - num_dev - num_test, num_dev, num_test, out)
