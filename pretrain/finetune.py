@@ -37,9 +37,10 @@ from pretrain.faults import EXIT_OK, run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
 from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, to_device
 from pretrain.metrics import MetricsLogger
-from pretrain.model import IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info
+from pretrain.model import (IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info,
+                            with_vocab)
 from pretrain.model.attention import parse_mixers
-from pretrain.parallel import VOCAB_MULTIPLE, init_distributed, padded_vocab_size
+from pretrain.parallel import init_distributed
 from pretrain.tasks import Example, TaskFileError, get_task
 from tokenizer.spm import Tokenizer
 
@@ -132,28 +133,6 @@ def tokenize(examples: list[Example], tokenizer: Tokenizer, max_input_length: in
     return [(i[: max_input_length - 1] + [eos], t + [eos]) for i, t in zip(inputs, targets)]
 
 
-def fit_vocab(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], num_ids: int, tp: int
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Re-pad the embedding and LM head rows to a multiple of 128 x TP when this job's TP needs it.
-
-    Rows past the tokenizer's `num_ids` are never looked up nor targets. Dropped rows lose nothing; added LM-head
-    rows copy the pad row (id 0, never a target, so trained to a low logit), which keeps them out of the argmax.
-    """
-    if model_cfg.vocab_size % (VOCAB_MULTIPLE * tp) == 0:
-        return model_cfg, full_state
-    rows = padded_vocab_size(num_ids, tp)
-    state = dict(full_state)
-    embed, head = state["embed.weight"], state["lm_head.weight"]  # [V, d]
-    if rows <= embed.shape[0]:
-        state["embed.weight"], state["lm_head.weight"] = embed[:rows].clone(), head[:rows].clone()
-    else:
-        extra = rows - embed.shape[0]
-        state["embed.weight"] = torch.cat([embed, embed.new_zeros(extra, embed.shape[1])])
-        state["lm_head.weight"] = torch.cat([head, head[:1].expand(extra, -1)])
-    log.info("vocabulary rows %d -> %d for TP %d", model_cfg.vocab_size, rows, tp)
-    return dataclasses.replace(model_cfg, vocab_size=rows), state
-
-
 def build_from_export(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], freeze_mixture: bool,
                       activation_checkpointing: str | bool = "none", compile: bool = False) -> T5Model:
     """This rank's TP shard of the exported model (every TP size: the full weights are sliced here)."""
@@ -232,7 +211,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
         tokenizer = Tokenizer(spiece)
-        model_cfg, full_state = fit_vocab(model_cfg, full_state, tokenizer.num_ids, dims.tp)
+        model_cfg = with_vocab(model_cfg, tokenizer.num_ids)  # the export's token rows; padding is per TP
         max_input_length = input_limit(model_cfg, cfg.task.max_input_length)
 
         # 2. Model at this job's TP from the full weights, optionally with frozen mixture weights, and the engine
@@ -255,7 +234,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         config_yaml = to_yaml(cfg) + yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False)
         checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=stream,
                                         config_yaml=config_yaml,
-                                        universal_info=universal_checkpoint_info(model, tokenizer.num_ids))
+                                        universal_info=universal_checkpoint_info(model, model_cfg.vocab_size))
         if plan:
             checkpoints.load(plan)
             log.info("resumed from %s at step %d", plan.path, progress.step)

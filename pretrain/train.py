@@ -21,15 +21,15 @@ from megatron.core import parallel_state
 from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepare_resume
 from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
-from pretrain.data.span_corruption import input_and_target_lengths
-from pretrain.engine import build_deepspeed_config, build_engine
+from pretrain.engine import build_engine
 from pretrain.faults import run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging
-from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, to_device
+from pretrain.loop import Meter, mixture_metrics, run_loop, to_device
 from pretrain.metrics import MetricsLogger, peak_flops
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
-from pretrain.parallel import ParallelDims, check_parallel, init_distributed
+from pretrain.parallel import ParallelDims, init_distributed
+from pretrain.plan import check_job, check_memory, with_layout
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.train")
@@ -61,27 +61,29 @@ class ValidationLoss:
 
 
 def train(cfg: Config) -> int:
-    # 1. Process groups (TP x DP), seeds, and every check that needs no allocation --------------------------------
+    # 1. Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
+    #    (pretrain.plan.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory estimate
+    #    against the device's memory), with the model's vocabulary resolved from the tokenizer first ------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
-    check_parallel(cfg.model, dims.tp, dims.world)
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
-    check_train_config(cfg.train, cfg.log.every)
-    accumulation = build_deepspeed_config(cfg.train, cfg.zero, cfg.precision, dims.dp)["gradient_accumulation_steps"]
+    cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
+    gpu_memory = torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
+    layout = check_job(cfg, dims.world, gpu_memory)
+    cfg = with_layout(cfg, layout)  # train.micro_batch: auto -> the number the layout chose
+    if gpu_memory is not None:
+        check_memory(cfg, layout, gpu_memory)
     run_dir = Path(cfg.run.dir)
     lock = acquire_run_lock(run_dir, dims)
     try:
-        # 2. Tokenizer: the ids the model must hold (model.vocab_size 0: the tokenizer's; rows are padded inside)
-        cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
-
         # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one ----
         root = run_dir / "checkpoints"
         resume = find_resume(cfg.checkpoint, root)
         plan = prepare_resume(resume, cfg.model, dims, cfg.parallel.timeout_s) if resume else None
 
-        # 4. Model (this rank's TP shard, identical full init on every rank) and the DeepSpeed engine -------------
+        # 4. Model (this rank's TP shard, identical full init on every rank, built on its device) and the engine
         model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
-                            compile=cfg.train.compile)
+                            compile=cfg.train.compile, device=dims.device)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
 
@@ -107,23 +109,21 @@ def train(cfg: Config) -> int:
             save_config(cfg, run_dir / "config.yaml")
 
         # 7. Metrics and the loop ---------------------------------------------------------------------------------
-        input_length = cfg.data.input_length
-        target_length = input_and_target_lengths(input_length, cfg.data.noise_density,
-                                                 cfg.data.mean_noise_span_length)[1]
         meter = Meter(
             every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
             # model FLOPs utilisation: achieved model FLOP/s over the peak of all devices of the job
-            flops_per_step=cfg.train.global_batch * flops_per_sequence(cfg.model, input_length, target_length),
-            job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device) * dims.world,
+            flops_per_step=cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
+                                                                       layout.target_length),
+            job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
             extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
         evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims) if validation else None
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step)
         log.info("training steps %d -> %d: global batch %d = micro %d x accumulation %d x DP %d, %d tokens/step",
-                 progress.step, cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch, accumulation,
-                 dims.dp, cfg.train.global_batch * (input_length + target_length))
+                 progress.step, cfg.train.steps, cfg.train.global_batch, layout.micro_batch, layout.accumulation,
+                 dims.dp, layout.tokens_per_step)
         try:
-            return run_loop(engine, to_device(loader, dims.device), accumulation, dims, cfg.train, progress, meter,
-                            checkpoints, metrics, evaluator)
+            return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
+                            meter, checkpoints, metrics, evaluator)
         finally:
             loader.close()
             metrics.close()

@@ -26,7 +26,7 @@ from tokenizer.train import train
 pytest_plugins = ("tests.slurm_cluster",)  # one real SLURM cluster per session, for the tests that ask for it
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_PIECES = 1000  # + 100 sentinels = 1100 ids: configs/tiny.yaml's vocab_size 1152 at TP 1
+TOKENIZER_PIECES = 1000  # + 100 sentinels = 1100 ids: configs/tiny.yaml's vocab_size
 TOKENIZER_SAMPLE_BYTES = 1_000_000  # ~7 s of training; the whole 3 MB sample takes ~20 s for no test benefit
 
 

@@ -41,7 +41,9 @@ def _shard(full: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
 
 
 def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) gathered to its TP=1 shape; all TP ranks must call together."""
+    """Every parameter (or its gradient) gathered to its TP=1 shape, the vocabulary parameters cut to the
+    token ids (`model.config.vocab_size` rows: the padding to 128 x TP is the layout's, not the model's), so the
+    result is the same whatever TP holds the model; all TP ranks must call together."""
     out = {}
     for name, param in model.named_parameters():
         t = param.grad if grads else param.detach()
@@ -50,19 +52,28 @@ def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Te
         dim, stride = _split(param)
         out[name] = t.clone() if dim is None or parallel_state.get_tensor_model_parallel_world_size() == 1 \
             else _gather(t, dim, stride)
+        if name in VOCAB_PARAMETERS:
+            out[name] = out[name][: model.config.vocab_size].clone()
     return out
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a TP=1 state dict into this rank's shards (names must match exactly)."""
+    """Copy a TP=1 state dict into this rank's shards (names must match exactly). Vocabulary parameters may
+    come with any number of rows from the token ids up (an export, or a checkpoint gathered at another TP):
+    their token rows are kept and the padding rows of this TP are zero, as the model initialises them."""
     params = dict(model.named_parameters())
     if set(params) != set(state):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
         raise ValueError(f"state dict does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in params.items():
+        full = state[name]
+        if name in VOCAB_PARAMETERS:
+            ids = model.config.vocab_size
+            full = torch.cat([full[:ids], full.new_zeros(param.shape[0] * tp - ids, *full.shape[1:])])
         dim, stride = _split(param)
-        param.copy_(state[name] if dim is None else _shard(state[name], dim, stride))
+        param.copy_(full if dim is None else _shard(full, dim, stride))
 
 
 def _pattern(name: str) -> str:
