@@ -31,15 +31,14 @@ from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepar
 from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
                              UsageError, ZeroConfig, parse_args, save_config, to_yaml)
 from pretrain.engine import build_engine, num_accumulation_steps
-from pretrain.evaluate import METHODS, evaluate_task, write_results
+from pretrain.evaluate import METHODS, evaluate_task, input_limit, write_results
 from pretrain.export import read_export
 from pretrain.faults import EXIT_OK, run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
-from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, to_device
+from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.metrics import MetricsLogger
 from pretrain.model import (IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info,
                             with_vocab)
-from pretrain.model.attention import parse_mixers
 from pretrain.parallel import init_distributed
 from pretrain.tasks import Example, TaskFileError, get_task
 from tokenizer.spm import Tokenizer
@@ -168,17 +167,6 @@ class TaskEvaluation:
         return record
 
 
-def input_limit(model_cfg: ModelConfig, requested: int) -> int:
-    """Synthesized attention holds N = model.max_length positions: longer inputs are cut to N (said once)."""
-    synthesized = set(parse_mixers(model_cfg.encoder_attention)) - {"vanilla"}
-    if synthesized and requested > model_cfg.max_length:
-        log.warning("task.max_input_length %d exceeds the model's max_length %d (%s attention): inputs are "
-                    "truncated to %d tokens", requested, model_cfg.max_length, "+".join(sorted(synthesized)),
-                    model_cfg.max_length)
-        return model_cfg.max_length
-    return requested
-
-
 def finetune(cfg: FinetuneConfig) -> int:
     # 1. Process groups, checks, the task and its files (all read now), the exported weights ----------------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
@@ -245,13 +233,16 @@ def finetune(cfg: FinetuneConfig) -> int:
         meter = Meter(every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
                       extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
         evaluator = TaskEvaluation(engine.module, tokenizer, task, cfg, max_input_length, run_dir, dims.rank)
-        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step)
+        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
+                                config=yaml.safe_load(to_yaml(cfg)))
+        metrics.write_text("config", to_yaml(cfg), step=progress.step)
         log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d",
                  task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
                  cfg.train.micro_batch, accumulation, dims.dp)
         try:
             code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
-                            checkpoints, metrics, evaluator)
+                            checkpoints, metrics, evaluator,
+                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage))
         finally:
             metrics.close()
     finally:

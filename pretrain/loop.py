@@ -31,6 +31,7 @@ from megatron.core import parallel_state
 from pretrain.checkpoint import CheckpointManager, Progress
 from pretrain.config import TrainConfig, UsageError
 from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
+from pretrain.figures import synthesizer_images
 from pretrain.metrics import MetricsLogger, peak_memory_bytes
 from pretrain.parallel import ParallelDims
 
@@ -124,6 +125,14 @@ def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
     return out
 
 
+def synthesizer_pictures(model, zero_stage: int) -> dict:
+    """TensorBoard images of the learned Random / Factorized Random matrices and per-head mixture weights
+    (`pretrain.figures.synthesizer_images`); every rank calls (TP gathers; ZeRO-3 holds only shards)."""
+    params = [p for name, p in model.named_parameters() if ".synth." in name or ".mix" in name]
+    with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):
+        return synthesizer_images(model)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Metrics cadence and the step line
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,9 +196,10 @@ class Evaluator(Protocol):
 # ----------------------------------------------------------------------------------------------------------------
 def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
-             evaluator: Evaluator | None = None) -> int:
+             evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None) -> int:
     """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
-    EXIT_PREEMPTED after a checkpoint when SIGTERM/SIGUSR1 arrived on any rank."""
+    EXIT_PREEMPTED after a checkpoint when SIGTERM/SIGUSR1 arrived on any rank. `pictures` (TensorBoard
+    images) are drawn at the evaluation steps and at the last step."""
     install_skip_guard(engine)
     preemption = PreemptionFlag()
     steps_this_run = 0
@@ -208,10 +218,13 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
             checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
-        if result.applied and evaluator is not None and evaluator.due(progress.step, last):
+        evaluate = result.applied and evaluator is not None and evaluator.due(progress.step, last)
+        if evaluate:
             record.update(evaluator(progress.step, last))
+        if pictures is not None and result.applied and (evaluate or last):
+            metrics.write_images(progress.step, pictures())
         if record:
-            metrics.write(progress.step, record)
+            metrics.write(progress.step, record, tokens_seen=progress.tokens_seen)
         if preempted:
             log.warning("preempted by signal %s at step %d: checkpoint saved, exiting %d", preemption.received,
                         progress.step, EXIT_PREEMPTED)

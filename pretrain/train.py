@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -24,7 +25,7 @@ from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_load
 from pretrain.engine import build_engine
 from pretrain.faults import run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging
-from pretrain.loop import Meter, mixture_metrics, run_loop, to_device
+from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.metrics import MetricsLogger, peak_flops
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
@@ -117,13 +118,16 @@ def train(cfg: Config) -> int:
             job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
             extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
         evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims) if validation else None
-        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step)
+        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
+                                config=yaml.safe_load(to_yaml(cfg)))
+        metrics.write_text("config", to_yaml(cfg), step=progress.step)
         log.info("training steps %d -> %d: global batch %d = micro %d x accumulation %d x DP %d, %d tokens/step",
                  progress.step, cfg.train.steps, cfg.train.global_batch, layout.micro_batch, layout.accumulation,
                  dims.dp, layout.tokens_per_step)
         try:
             return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
-                            meter, checkpoints, metrics, evaluator)
+                            meter, checkpoints, metrics, evaluator,
+                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage))
         finally:
             loader.close()
             metrics.close()

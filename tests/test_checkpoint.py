@@ -132,3 +132,20 @@ def test_the_run_lock_refuses_a_second_job_and_takes_over_a_dead_ones(tmp_path, 
     caplog.clear()
     RunLock(tmp_path).acquire()  # after a clean release there is nobody to report
     assert "stale" not in caplog.text
+
+
+def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_path):
+    from pretrain.checkpoint import prepare_resume
+    from pretrain.config import Config, to_yaml
+    from pretrain.parallel import ParallelDims
+
+    path = _checkpoint(tmp_path / "run" / "checkpoints", 100)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 100, "tokens_seen": 0, "skipped_steps": 0,
+                                                         "tp": 1, "dp": 8}))
+    (path / "config.yaml").write_text(to_yaml(Config()))
+    with open(path / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb") as f:
+        f.truncate(200_000_000)  # 200 MB (sparse): ~10 s of conversion, more than a quarter of 20 s
+    dims = ParallelDims(world=4, rank=0, local_rank=0, tp=2, dp=2, tp_rank=0, dp_rank=0, device=None)
+    with pytest.raises(UsageError, match=r"at TP 2 x DP 2 needs a universal checkpoint, about 10 s of conversion.*"
+                                         r"python -m pretrain.reshard --run .*run"):
+        prepare_resume(path, ModelConfig(), dims, timeout_s=20)

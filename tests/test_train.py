@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.config import Config, load_config
 from pretrain.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
@@ -181,6 +182,14 @@ def test_metrics_contract_and_tensorboard_read_back(zero_runs):
         assert [s for s, _ in scalars[key]] == [s for s, _ in logged]
         assert [v for _, v in scalars[key]] == pytest.approx([v for _, v in logged], rel=1e-6)
     assert (run / "config.yaml").is_file()
+    # pictures of the learned random matrices and of the mixture weights at the evaluation steps, the config
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0, "tensors": 0}).Reload()
+    images = events.Tags()["images"]
+    assert any(t.startswith("synthesizer/encoder.layers.0") for t in images), images
+    assert any(t.startswith("mixture_heads/") for t in images), images
+    assert [e.step for e in events.Images(images[0])] == [4, 8]
+    assert any(t.startswith("config") for t in events.Tags()["tensors"])
+    assert [s for s, _ in scalars["by_tokens/loss"]] == [r["tokens_seen"] for r in records]
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == f"step_{STEPS}"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_4", "step_8"]

@@ -67,3 +67,15 @@ def test_credentials_in_shard_urls_do_not_reach_the_saved_config():
     saved = to_yaml(cfg)
     assert "s3cret" not in saved and "t0ken" not in saved and "alice" not in saved
     assert "data.example/c4/shard-{0..7}.tar" in saved  # the rest of the address stays readable
+
+
+def test_half_precision_without_a_gpu_needs_an_explicit_cpu_backend():
+    import torch
+
+    from pretrain.jobs import check_precision
+
+    cpu = torch.device("cpu")
+    with pytest.raises(UsageError, match=r"precision bf16 without CUDA: this job found no GPU .*parallel.backend=gloo"):
+        check_precision("bf16", "auto", cpu)
+    check_precision("bf16", "gloo", cpu)  # asked for on purpose
+    check_precision("fp32", "auto", cpu)
