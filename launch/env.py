@@ -9,6 +9,7 @@ shared node do not collide.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Mapping
@@ -85,7 +86,14 @@ def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
             source="slurm",
         )
-    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+    # a lone process needs no agreed port: a free one, so two such jobs on one machine do not collide
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def export_torch_env(d: DistEnv) -> None:

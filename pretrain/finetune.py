@@ -153,11 +153,11 @@ class TaskEvaluation:
         self.model, self.tokenizer, self.task, self.cfg = model, tokenizer, task, cfg
         self.max_input_length, self.run_dir, self.rank = max_input_length, run_dir, rank
 
-    def due(self, step: int, last: bool) -> bool:
-        return last or bool(self.cfg.eval.every and step % self.cfg.eval.every == 0)
+    def due(self, step: int, final: bool) -> bool:
+        return final or bool(self.cfg.eval.every and step % self.cfg.eval.every == 0)
 
-    def __call__(self, step: int, last: bool) -> dict[str, float]:
-        submission = self.run_dir / "submission" if last and self.cfg.eval.submission else None
+    def __call__(self, step: int, final: bool) -> dict[str, float]:
+        submission = self.run_dir / "submission" if final and self.cfg.eval.submission else None
         results = evaluate_task(self.model, self.tokenizer, self.task, self.cfg.data.dir, self.cfg.eval.method,
                                 self.cfg.eval.batch, self.max_input_length, self.cfg.eval.limit, submission)
         record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
@@ -174,6 +174,9 @@ def finetune(cfg: FinetuneConfig) -> int:
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
     check_train_config(cfg.train, cfg.log.every)
+    if not isinstance(cfg.train.micro_batch, int):
+        raise UsageError(f"train.micro_batch '{cfg.train.micro_batch}': fine-tuning takes a number (auto is the "
+                         "pretraining planner's)")
     if cfg.eval.method not in METHODS:
         raise UsageError(f"eval.method '{cfg.eval.method}' is not one of {', '.join(METHODS)}")
     if cfg.eval.batch < 1:

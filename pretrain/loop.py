@@ -184,11 +184,12 @@ class Meter:
 
 
 class Evaluator(Protocol):
-    """A job's evaluation: when it is due, and the scalars it adds to that step's metrics record."""
+    """A job's evaluation: when it is due (`final`: the last step of training), and the scalars it adds to that
+    step's metrics record."""
 
-    def due(self, step: int, last: bool) -> bool: ...
+    def due(self, step: int, final: bool) -> bool: ...
 
-    def __call__(self, step: int, last: bool) -> dict[str, float]: ...
+    def __call__(self, step: int, final: bool) -> dict[str, float]: ...
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,14 +214,15 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         else:
             progress.skipped_steps += 1
             check_skip_budget(progress.step + 1, progress.skipped_steps, train.max_skipped_steps)
-        last = progress.step == train.steps or steps_this_run == train.exit_after
+        final = progress.step == train.steps  # the end of training, not just of this run (train.exit_after)
+        last = final or steps_this_run == train.exit_after
         preempted = preemption.agreed(dims.device)
         record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
             checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
-        evaluate = result.applied and evaluator is not None and evaluator.due(progress.step, last)
+        evaluate = result.applied and evaluator is not None and evaluator.due(progress.step, final)
         if evaluate:
-            record.update(evaluator(progress.step, last))
+            record.update(evaluator(progress.step, final))
         if pictures is not None and result.applied and (evaluate or last):
             metrics.write_images(progress.step, pictures())
         if record:

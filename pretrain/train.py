@@ -42,11 +42,11 @@ class ValidationLoss:
     def __init__(self, engine, batches: EvalLoader, every: int, dims: ParallelDims) -> None:
         self.engine, self.batches, self.every, self.dims = engine, batches, every, dims
 
-    def due(self, step: int, last: bool) -> bool:
+    def due(self, step: int, final: bool) -> bool:
         return bool(self.every) and step % self.every == 0
 
     @torch.no_grad()
-    def __call__(self, step: int, last: bool) -> dict[str, float]:
+    def __call__(self, step: int, final: bool) -> dict[str, float]:
         self.engine.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
         for batch in to_device(self.batches, self.dims.device):
