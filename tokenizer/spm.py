@@ -19,7 +19,7 @@ _SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 class Tokenizer:
-    """Encode/decode text; ids of the special tokens and sentinels; the vocabulary size padded for TP."""
+    """Encode/decode text; ids of the special tokens and sentinels; the number of ids a model must hold."""
 
     pad_id = PAD_ID
     eos_id = EOS_ID
@@ -48,11 +48,6 @@ class Tokenizer:
         if not 0 <= i < NUM_SENTINELS:
             raise ValueError(f"sentinel index {i} out of range [0, {NUM_SENTINELS})")
         return self.num_ids - 1 - i
-
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        """Embedding rows: num_ids rounded up to a multiple of 128 x tp (each TP rank gets a multiple of 128)."""
-        step = 128 * tp
-        return -(-self.num_ids // step) * step
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` (no EOS added); `<extra_id_N>` in the text becomes sentinel N."""

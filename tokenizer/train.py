@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:  # sentencepiece reports a sample too small for the vocabulary this way
         p.error(f"sentencepiece failed: {str(e).splitlines()[0]}; lower --vocab-size or raise --max-bytes")
     tok = Tokenizer(model)
-    print(f"{model}: {tok.num_pieces} pieces + 100 sentinels = {tok.num_ids} ids "
-          f"(embedding rows {tok.padded_vocab_size(1)} at TP 1)")
+    print(f"{model}: {tok.num_pieces} pieces + 100 sentinels = {tok.num_ids} ids (model.vocab_size 0 reads them; "
+          "the model pads its rows per TP)")
 
 
 if __name__ == "__main__":
