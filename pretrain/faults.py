@@ -107,16 +107,16 @@ def stop_child_processes() -> None:
         child.join(timeout=5)
 
 
-def run_with_exit_codes(job: Callable[[], int], prog: str, usage_errors: tuple[type[Exception], ...] = ()) -> int:
+def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
-    UsageError (and `usage_errors`) -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
+    UsageError -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
     that failed because another rank failed first -> one line naming it, EXIT_FAILED (the first error is that
     rank's); anything else -> its traceback, once, EXIT_FAILED.
     """
     try:
         return job()
-    except (UsageError, *usage_errors) as e:
+    except UsageError as e:
         print(f"{prog}: error: {_user_message(e)}", file=sys.stderr)
         return EXIT_USAGE
     except Diverged as e:

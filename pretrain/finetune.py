@@ -40,7 +40,7 @@ from pretrain.metrics import MetricsLogger
 from pretrain.model import (IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info,
                             with_vocab)
 from pretrain.parallel import init_distributed
-from pretrain.tasks import Example, TaskFileError, get_task
+from pretrain.tasks import Example, get_task
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.finetune")
@@ -257,7 +257,7 @@ def finetune(cfg: FinetuneConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(FinetuneConfig, argv, prog="pretrain.finetune")
-    return run_with_exit_codes(lambda: finetune(cfg), "pretrain.finetune", usage_errors=(TaskFileError,))
+    return run_with_exit_codes(lambda: finetune(cfg), "pretrain.finetune")
 
 if __name__ == "__main__":
     sys.exit(main())

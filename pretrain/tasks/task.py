@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from pretrain.config import UsageError
+
 # The GLUE TSVs are not quoted ('"' is literal text), and some sentences are long.
 csv.field_size_limit(1 << 24)
 
 
-class TaskFileError(ValueError):
+class TaskFileError(UsageError):
     """A task file that is missing or not in the official format; the message is one line."""
 
 
