@@ -5,10 +5,14 @@ import http.server
 import itertools
 import json
 import logging
+import multiprocessing
+import os
 import re
+import signal
 import shutil
 import tarfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -117,6 +121,53 @@ def test_workers_round_robin_over_streams(shards):
         for k in ("_stream", "_position", "_damaged"):
             b.pop(k)
     assert_same_batches(got, expected)
+
+
+def test_a_killed_worker_is_named_not_a_closed_connection(shards):
+    # the OOM killer's way: SIGKILL while batches are queued; iterating in another thread keeps torch's SIGCHLD
+    # handler (main thread only) out, so the error comes from reading the batch queued by the dead worker
+    loader = build_train_loader(shards.config(workers=1), seed=3, dp_rank=0, dp_size=1, micro_batch=2)
+    it = iter(loader)
+    errors = []
+
+    def consume():
+        next(it)
+        time.sleep(1)  # the worker fills its prefetch queue
+        worker = loader._iterator._workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        try:
+            for _ in range(8):
+                next(it)
+        except Exception as error:
+            errors.append((worker.pid, error))
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    thread.join()
+    (pid, error), = errors
+    assert isinstance(error, RuntimeError) and isinstance(error.__cause__, ConnectionError), repr(error)
+    assert re.search(rf"DataLoader worker \(pid(\(s\))? {pid}\b.*\) exited unexpectedly", str(error)), error
+    assert loader._iterator is None  # closed on the way out
+
+
+def test_a_worker_killed_a_moment_before_its_socket_closes_is_named(shards):
+    # the race torch's own check loses (seen on CI): the dead worker's socket is closed but the process cannot be
+    # reaped yet, so torch re-raises the bare ConnectionResetError; the loader waits for the worker to end
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+
+    class QueuedBatchOfTheDeadWorker:
+        _workers = [worker]
+
+        def __next__(self):
+            threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL)).start()  # it dies a moment later
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    loader = build_train_loader(shards.config(workers=1), seed=3, dp_rank=0, dp_size=1, micro_batch=2)
+    loader._iterator = QueuedBatchOfTheDeadWorker()
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {worker.pid}, killed by SIGKILL\) exited"):
+        loader._next_batch()
 
 
 def test_batch_format(shards):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import signal
+from multiprocessing.connection import wait
 from typing import Iterator
 
 from torch.utils.data import DataLoader
@@ -71,6 +72,10 @@ def _ignore_preemption_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _ending(exitcode: int) -> str:
+    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+
+
 # the config keys of the settings a loader state records
 _SETTING_KEYS = {"shuffle_buffer": "data.shuffle_buffer", "input_length": "data.input_length",
                  "noise_density": "data.noise_density", "mean_noise_span_length": "data.mean_noise_span_length",
@@ -97,7 +102,7 @@ class TrainLoader:
         self._iterator = iter(loader)
         damaged = [0] * self.spec.num_streams
         try:
-            for batch in self._iterator:
+            while (batch := self._next_batch()) is not None:
                 stream = batch.pop("_stream")
                 self.positions[stream] = batch.pop("_position")
                 damaged[stream] = batch.pop("_damaged")
@@ -108,6 +113,22 @@ class TrainLoader:
                 yield batch
         finally:
             self.close()
+
+    def _next_batch(self) -> dict | None:
+        """The next batch (None at the end); a worker that died (OOM killer, SIGKILL) is named as such. Torch reports that only when
+        its queue times out: a batch already in flight fails first with a closed connection to the dead worker."""
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            return None
+        except (ConnectionError, EOFError) as error:
+            workers = getattr(self._iterator, "_workers", [])
+            wait([w.sentinel for w in workers], timeout=5)  # its sockets close a moment before it can be reaped
+            dead = [f"pid {w.pid}, {_ending(w.exitcode)}" for w in workers if w.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"DataLoader worker ({'; '.join(dead)}) exited unexpectedly; out of host "
+                                   "memory? the kernel log (dmesg) names what the OOM killer ended") from error
+            raise
 
     def close(self) -> None:
         iterator, self._iterator = self._iterator, None
