@@ -133,9 +133,11 @@ def tokenize(examples: list[Example], tokenizer: Tokenizer, max_input_length: in
 
 
 def build_from_export(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], freeze_mixture: bool,
-                      activation_checkpointing: str | bool = "none", compile: bool = False) -> T5Model:
-    """This rank's TP shard of the exported model (every TP size: the full weights are sliced here)."""
-    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile)
+                      activation_checkpointing: str | bool = "none", compile: bool = False,
+                      device: torch.device | str = "cpu") -> T5Model:
+    """This rank's TP shard of the exported model on `device` (every TP size: the full weights are sliced here,
+    one parameter at a time, so the host holds the export's weights but no copy of the model)."""
+    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile, device=device)
     load_full_state_dict(model, full_state)
     if freeze_mixture:
         for name, param in model.named_parameters():
@@ -210,7 +212,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         resume = find_resume(cfg.checkpoint, root)
         plan = prepare_resume(resume, model_cfg, dims, cfg.parallel.timeout_s) if resume else None
         model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
-                                  cfg.train.compile)
+                                  cfg.train.compile, dims.device)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.parallel import check_parallel, padded_vocab_size
@@ -182,3 +183,34 @@ def test_reshard_writes_the_universal_checkpoint_of_the_latest(shards, tmp_path)
     assert again.returncode == 0 and "exists already" in again.stderr
     missing = subprocess.run([*cli[:4], str(tmp_path / "none")], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.strip().endswith("no checkpoints/ in it")
+
+
+class HostAllocations(TorchDispatchMode):
+    """The largest CPU tensor any torch op creates while active (factory functions included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_building_on_the_device_puts_nothing_of_the_model_on_the_host():
+    # the trainer builds on its GPU (device=dims.device); on `meta` every tensor that would land on the host
+    # instead is seen: xxl at its TP 8 (1.4 B parameters per shard, 44 GB of fp32 for the full model) must not
+    # draw one full parameter, nor a shard of one, on the CPU
+    from pretrain.config import Config, load_config
+    from pretrain.memory import tp_shapes
+    from pretrain.model import build_model
+
+    cfg = load_config(Config, "configs/xxl.yaml", ["model.vocab_size=32100"]).model
+    with tp_shapes(8), HostAllocations() as host:
+        model = build_model(cfg, activation_checkpointing="full", device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 1e9
+    assert host.largest < 2**20, host.largest  # at most bookkeeping scalars, nothing weight-sized
