@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one-GPU check, under 8 minutes on one H200: bash bench/gpu_check.sh [OUT_DIR] [DATA_DIR]
+# The one-GPU check, under 9 minutes on one H200: bash bench/gpu_check.sh [OUT_DIR] [DATA_DIR]
 #
 #   1. env         CUDA, bf16 and NCCL sanity (a bf16 GEMM against fp32, a 1-rank NCCL all-reduce)
+#      startup     host memory while the trainer's build_model puts CONFIG's model on the GPU (must stay small)
 #   2. throughput  bench.throughput at configs/base.yaml, bf16: vanilla, dense, random, factorized_random,
 #                  random+vanilla (the trainer's step; median, IQR, tokens/s, TFLOP/s, MFU, peak memory)
 #   3. sdpa        vanilla and random+vanilla attention through SDPA against materialised logits (time, memory)
 #   4. pipeline    50-step pretraining of configs/tiny.yaml in bf16, export, fine-tuning with evaluation (sst2)
-# Every section runs under a time limit (45 + 180 + 120 + 120 s: under 8 minutes in all); a failure is recorded
+# Every section runs under a time limit (45 + 45 + 180 + 120 + 120 s: under 9 minutes in all); a failure is recorded
 # and the next section still runs. The summary
 # (OUT_DIR/summary.md; OUT_DIR defaults to $OUT, else runs/gpu_check) lists each section's status and time and
 # holds the tables; each section's full output is in OUT_DIR/<section>.log.
@@ -77,6 +78,30 @@ print(f"deepspeed {deepspeed.__version__}")
 EOF
 }
 
+startup_check() {
+    set -euo pipefail
+    "$PY" - "$CONFIG" <<'EOF'
+import resource, sys
+import torch
+from pretrain.config import Config, load_config
+from pretrain.model import build_model, with_vocab
+from pretrain.parallel import init_single_process
+
+device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the script's dry run
+torch.empty(1, device=device)  # the CUDA context first: its host memory is not the model's
+init_single_process()
+cfg = load_config(Config, sys.argv[1], []).model
+cfg = with_vocab(cfg, cfg.vocab_size or 32100)  # 0: the T5 tokenizer's ids
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak so far, bytes
+model = build_model(cfg, device=device)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+size = sum(p.numel() * p.element_size() for p in model.parameters())
+print(f"built {sys.argv[1]} on {device}: {size / 2**30:.2f} GiB of fp32 weights; peak host memory grew "
+      f"{grew / 2**30:.2f} GiB ({grew / size:.0%} of the model)")
+assert device == "cpu" or grew < 0.25 * size, "the build went through the host"
+EOF
+}
+
 pipeline() {
     set -euo pipefail
     for need in tokenizer/spiece.model shards/train shards/valid polarity; do
@@ -94,9 +119,10 @@ pipeline() {
 }
 
 # the sections run in child processes under `timeout`: they see these functions and variables
-export -f env_check pipeline
-export PY DATA WORK OUT_DIR PRECISION
+export -f env_check startup_check pipeline
+export PY DATA WORK OUT_DIR PRECISION CONFIG
 section env 45 bash -c env_check
+section startup 45 bash -c startup_check
 BENCH=(-m bench.throughput --config "$CONFIG" --precision "$PRECISION" --micro-batch "$MICRO_BATCH")
 section throughput 180 "$PY" "${BENCH[@]}" --variants vanilla dense random factorized_random random+vanilla \
     --out "$OUT_DIR/throughput.md"
@@ -111,6 +137,7 @@ section pipeline 120 bash -c pipeline
     cat "$OUT_DIR/status.txt"
     echo
     grep -E "^torch |bf16 GEMM|NCCL all-reduce|deepspeed " "$OUT_DIR/env.log" || true
+    grep -E "^built " "$OUT_DIR/startup.log" || true
     for part in throughput sdpa; do
         echo
         echo "## $part"
