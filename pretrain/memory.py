@@ -22,6 +22,7 @@ the end of the forward, because each layer's backward frees its saved tensors as
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -96,24 +97,27 @@ def tp_shapes(tp: int) -> Iterator[None]:
     saved = {name: getattr(parallel_state, name) for name in _STATE}
     collectives = {name: getattr(dist, name) for name in _COLLECTIVES}
     tracker = (mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    try:
-        parallel_state._TENSOR_MODEL_PARALLEL_GROUP = _StandInGroup(tp)
-        parallel_state._PIPELINE_MODEL_PARALLEL_GROUP = _StandInGroup(1)
-        parallel_state._DATA_PARALLEL_GROUP = _StandInGroup(1)
-        parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = tp
-        parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = 0
-        for name in _COLLECTIVES:  # shape-only tensors: a reduction changes no shape
-            setattr(dist, name, _no_collective)
-        dist.is_initialized = lambda: True  # megatron reads the group from its state only in a "launched" process
-        dist.get_rank = lambda group=None: 0
-        mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoRngTracker(), True
-        yield
-    finally:
-        mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
-        for name, value in saved.items():
-            setattr(parallel_state, name, value)
-        for name, fn in collectives.items():
-            setattr(dist, name, fn)
+    with warnings.catch_warnings():
+        # megatron's advice to set CUDA_DEVICE_MAX_CONNECTIONS is for the job, which sets it; not for a trace
+        warnings.filterwarnings("ignore", message="When using async grad allreduce", category=UserWarning)
+        try:
+            parallel_state._TENSOR_MODEL_PARALLEL_GROUP = _StandInGroup(tp)
+            parallel_state._PIPELINE_MODEL_PARALLEL_GROUP = _StandInGroup(1)
+            parallel_state._DATA_PARALLEL_GROUP = _StandInGroup(1)
+            parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = tp
+            parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = 0
+            for name in _COLLECTIVES:  # shape-only tensors: a reduction changes no shape
+                setattr(dist, name, _no_collective)
+            dist.is_initialized = lambda: True  # megatron reads the group from its state only in a "launched" process
+            dist.get_rank = lambda group=None: 0
+            mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoRngTracker(), True
+            yield
+        finally:
+            mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
+            for name, value in saved.items():
+                setattr(parallel_state, name, value)
+            for name, fn in collectives.items():
+                setattr(dist, name, fn)
 
 
 def meta_model(cfg: Config, tp: int, device: str = "cuda") -> torch.nn.Module:
