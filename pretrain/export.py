@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -44,7 +45,9 @@ from transformers import GenerationConfig
 from pretrain.checkpoint import check_complete, complete_steps, tag_for
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
-from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
+from pretrain.model import T5Model, build_model, full_state_dict
+from pretrain.model.sharding import VOCAB_PARAMETERS
+from pretrain.parallel import init_single_process
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
@@ -165,7 +168,9 @@ def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, torch.Te
 
 
 def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, torch.Tensor]:
-    """The full (TP=1) fp32 state dict of a checkpoint saved at TP `tp` (any DP), checked against `model`."""
+    """The full (TP=1) fp32 state dict of a checkpoint saved at TP `tp` (any DP), checked against `model` (TP 1,
+    any device: only its names and shapes are read); the vocabulary parameters hold the token rows only, as
+    `full_state_dict` gives them (the padding is the saving TP's layout)."""
     by_mp: dict[int, list[Path]] = {mp: [] for mp in range(tp)}
     for f in sorted(ckpt.glob("*mp_rank_*_states.pt")):
         by_mp.setdefault(int(_MP_RANK.search(f.name).group(1)), []).append(f)
@@ -175,16 +180,20 @@ def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, torch.Tens
         missing = [mp for mp in range(tp) if name not in shards[mp]]
         if missing:
             raise CheckpointError(f"{ckpt} lacks parameter {name} (TP rank {missing[0]}); is it from another model?")
-        parts = [s[name] for s in shards]
+        parts = [s.pop(name) for s in shards]  # each piece is held once: in the shards, then in `full`
         if tp == 1 or not getattr(param, "tensor_model_parallel", False):
             full[name] = parts[0]
-            continue
-        dim, stride = param.partition_dim, param.partition_stride
-        # rank r holds sub-parameter pieces [s0 piece r; s1 piece r]: regroup as [s0 pieces..., s1 pieces...]
-        pieces = [p.chunk(stride, dim=dim) for p in parts]
-        full[name] = torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
-        if full[name].shape != param.shape:
-            raise CheckpointError(f"{ckpt}: {name} gathers to {tuple(full[name].shape)}, the model has {tuple(param.shape)}")
+        else:
+            dim, stride = param.partition_dim, param.partition_stride
+            # rank r holds sub-parameter pieces [s0 piece r; s1 piece r]: regroup as [s0 pieces..., s1 pieces...]
+            pieces = [p.chunk(stride, dim=dim) for p in parts]
+            full[name] = torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
+        expected = param.shape  # `model` is TP 1: the full shape, the vocabulary ones with this TP's padding
+        if name in VOCAB_PARAMETERS and full[name].shape[1:] == expected[1:] and len(full[name]) >= model.config.vocab_size:
+            full[name] = full[name][: model.config.vocab_size]  # the token rows: the saving TP's padding dropped
+            expected = full[name].shape
+        if full[name].shape != expected:
+            raise CheckpointError(f"{ckpt}: {name} gathers to {tuple(full[name].shape)}, the model has {tuple(expected)}")
     return full
 
 
@@ -289,7 +298,8 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {k: v.to(dtype).contiguous() for k, v in to_export_state_dict(full_state_dict(model), cfg).items()}
+    state = full_state_dict(model, clone=False)  # TP 1: the parameters themselves; the export copies them once
+    weights = {k: v.to(dtype).contiguous() for k, v in to_export_state_dict(state, cfg).items()}
     _save_weights(weights, tmp, max_shard_size)
     config = hf_config(cfg)
     mixture = {k: v.tolist() for k, v in model.mixture_weights().items()}  # softmax(mix)
@@ -353,8 +363,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
         raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
-    model = build_local_model(cfg)
-    load_full_state_dict(model, read_checkpoint(ckpt, model, trainer["tp"]))
+    model = _tp1_model(cfg, lambda meta: read_checkpoint(ckpt, meta, trainer["tp"]))
     source = {
         "checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tokens_seen": trainer.get("tokens_seen"),
         "tp": trainer["tp"], "dp": trainer["dp"], "evaluation": _evaluation(run_dir, trainer["step"]),
@@ -379,13 +388,28 @@ def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     return cfg, from_export_state_dict(hf, cfg)
 
 
+def _tp1_model(cfg: ModelConfig, read: Callable[[T5Model], dict[str, torch.Tensor]]) -> T5Model:
+    """A TP 1 model on the CPU whose parameters are the tensors `read(meta_model)` returns (the full state, as
+    `full_state_dict` gives it), not copies: the weights are in memory once, and nothing is drawn at random."""
+    init_single_process()
+    model = build_model(cfg, device="meta")
+    state = read(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if set(shapes) != set(state):
+        missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+        raise UsageError(f"the weights do not match the model config: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name in VOCAB_PARAMETERS:  # the token rows, plus the zero padding of TP 1's layout
+        t = state[name]
+        state[name] = torch.cat([t, t.new_zeros(shapes[name][0] - len(t), *t.shape[1:])])
+    model.load_state_dict(state, assign=True)
+    return model
+
+
 def load_pretrained(folder: str | Path) -> T5Model:
     """Our model (TP = 1, CPU, eval mode) from an export folder; `model(input_ids=..., attention_mask=...,
     decoder_input_ids=...)` returns an object with `.logits`."""
     cfg, state = read_export(folder)
-    model = build_local_model(cfg)
-    load_full_state_dict(model, state)
-    return model.eval()
+    return _tp1_model(cfg, lambda meta: state).eval()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from pretrain.config import Config, ParallelConfig, TrainConfig, ZeroConfig, load_config, to_yaml
+from pretrain.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
 from pretrain.export import CheckpointError, export, load_pretrained, write_export
-from pretrain.model import build_local_model, full_state_dict, generate_greedy
+from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from tests.distributed import run_distributed
 from tests.test_hf_parity import randomize_constant_parameters
 from tokenizer.spm import Tokenizer
@@ -50,8 +50,8 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precis
 
 
 def _run(tmp_path, tokenizer_model, tp, world, stage, per_head, precision):
-    # 1100 ids padded to a multiple of 128 x TP 2
-    model_cfg = dataclasses.replace(TINY.model, vocab_size=1280, mixture_per_head=per_head)
+    # the tokenizer's 1100 ids: 1280 rows at TP 2, 1152 in the TP 1 model the export reads them into
+    model_cfg = dataclasses.replace(TINY.model, vocab_size=1100, mixture_per_head=per_head)
     cfg = dataclasses.replace(TINY, model=model_cfg, data=dataclasses.replace(TINY.data, tokenizer=tokenizer_model))
     run_dir = tmp_path / "run"
     full = run_distributed(_train_and_save, world, str(run_dir), to_yaml(cfg), model_cfg, tp, stage, precision)[0]
@@ -116,7 +116,7 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
         assert not all(torch.equal(loaded[k], full[k].float()) for k in full)  # the master, not the bf16 copy
     else:
         reference = build_local_model(model_cfg).eval()
-        reference.load_state_dict(full, strict=False)
+        load_full_state_dict(reference, full)
         assert torch.equal(_logits(model), _logits(reference))
     # the learned mixture weights: in the weights (raw) and in config.json (softmax), per layer
     config = json.loads((out / "config.json").read_text())
@@ -149,6 +149,22 @@ class _RunsCode:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
+
+
+def test_the_export_model_holds_the_read_weights_themselves():
+    # export and load_pretrained put the weights they read into a meta-built model without a copy (one copy of
+    # the model in host memory, not three) and pad the vocabulary rows to TP 1's layout with zeros
+    from pretrain.export import _tp1_model
+
+    state = full_state_dict(build_local_model(TINY.model))
+    model = _tp1_model(TINY.model, lambda meta: dict(state))
+    for name, param in model.named_parameters():
+        if name in ("embed.weight", "lm_head.weight"):
+            assert param.shape[0] == 1152 and torch.equal(param[:1100], state[name]) and not param[1100:].any()
+        else:
+            assert param.data_ptr() == state[name].data_ptr(), name
+    with pytest.raises(UsageError, match="do not match the model config: missing"):
+        _tp1_model(TINY.model, lambda meta: {k: v for k, v in state.items() if k != "embed.weight"})
 
 
 def test_incomplete_damaged_or_code_carrying_checkpoints_are_refused(tmp_path, saved_run):

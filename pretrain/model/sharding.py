@@ -40,20 +40,22 @@ def _shard(full: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
     return torch.cat([s.chunk(tp, dim=dim)[rank] for s in subs], dim=dim)
 
 
-def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, grads: bool = False, clone: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) gathered to its TP=1 shape, the vocabulary parameters cut to the
     token ids (`model.config.vocab_size` rows: the padding to 128 x TP is the layout's, not the model's), so the
-    result is the same whatever TP holds the model; all TP ranks must call together."""
+    result is the same whatever TP holds the model; all TP ranks must call together. `clone=False`: at TP 1 the
+    tensors are views of the parameters (for readers that copy anyway, such as an export)."""
     out = {}
     for name, param in model.named_parameters():
         t = param.grad if grads else param.detach()
         if t is None:
             t = torch.zeros_like(param)
         dim, stride = _split(param)
-        out[name] = t.clone() if dim is None or parallel_state.get_tensor_model_parallel_world_size() == 1 \
-            else _gather(t, dim, stride)
+        whole = dim is None or parallel_state.get_tensor_model_parallel_world_size() == 1
+        full = t if whole else _gather(t, dim, stride)
         if name in VOCAB_PARAMETERS:
-            out[name] = out[name][: model.config.vocab_size].clone()
+            full = full[: model.config.vocab_size]
+        out[name] = full.clone() if clone else full
     return out
 
 
