@@ -45,12 +45,11 @@ from transformers import GenerationConfig
 from pretrain.checkpoint import check_complete, complete_steps, tag_for
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
-from pretrain.model import T5Model, build_model, full_state_dict
-from pretrain.model.sharding import VOCAB_PARAMETERS
-from pretrain.parallel import init_single_process
+from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+from pretrain.model.sharding import VOCAB_PARAMETERS
 from pretrain.model_card import model_card
 from pretrain.progress import progress
 
@@ -391,17 +390,8 @@ def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
 def _tp1_model(cfg: ModelConfig, read: Callable[[T5Model], dict[str, torch.Tensor]]) -> T5Model:
     """A TP 1 model on the CPU whose parameters are the tensors `read(meta_model)` returns (the full state, as
     `full_state_dict` gives it), not copies: the weights are in memory once, and nothing is drawn at random."""
-    init_single_process()
-    model = build_model(cfg, device="meta")
-    state = read(model)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if set(shapes) != set(state):
-        missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-        raise UsageError(f"the weights do not match the model config: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name in VOCAB_PARAMETERS:  # the token rows, plus the zero padding of TP 1's layout
-        t = state[name]
-        state[name] = torch.cat([t, t.new_zeros(shapes[name][0] - len(t), *t.shape[1:])])
-    model.load_state_dict(state, assign=True)
+    model = build_local_model(cfg, device="meta")
+    load_full_state_dict(model, read(model), assign=True)
     return model
 
 

@@ -78,7 +78,7 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
     return model
 
 
-def build_local_model(cfg: ModelConfig) -> T5Model:
+def build_local_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> T5Model:
     """A launcher-free model: sets up a 1-process gloo group + TP 1 if no parallel state exists yet."""
     init_single_process()
-    return build_model(cfg)
+    return build_model(cfg, device=device)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from pretrain.config import UsageError
+
 VOCAB_PARAMETERS = ("embed.weight", "lm_head.weight")
 
 
@@ -60,22 +62,32 @@ def full_state_dict(model: nn.Module, grads: bool = False, clone: bool = True) -
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], assign: bool = False) -> None:
     """Copy a TP=1 state dict into this rank's shards (names must match exactly). Vocabulary parameters may
     come with any number of rows from the token ids up (an export, or a checkpoint gathered at another TP):
-    their token rows are kept and the padding rows of this TP are zero, as the model initialises them."""
+    their token rows are kept and the padding rows of this TP are zero, as the model initialises them.
+    `assign=True` (TP 1, e.g. a model built on `meta`): the parameters become `state`'s tensors, not copies
+    (the vocabulary ones padded)."""
     params = dict(model.named_parameters())
     if set(params) != set(state):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-        raise ValueError(f"state dict does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise UsageError(f"the weights do not match the model config: missing {missing[:3]}, unexpected {extra[:3]}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    if assign and tp != 1:
+        raise ValueError(f"load_full_state_dict(assign=True) needs a TP 1 model, this one is TP {tp}")
+    whole = {}
     for name, param in params.items():
         full = state[name]
         if name in VOCAB_PARAMETERS:
             ids = model.config.vocab_size
             full = torch.cat([full[:ids], full.new_zeros(param.shape[0] * tp - ids, *full.shape[1:])])
         dim, stride = _split(param)
-        param.copy_(full if dim is None else _shard(full, dim, stride))
+        if assign:
+            whole[name] = full
+        else:
+            param.copy_(full if dim is None else _shard(full, dim, stride))
+    if assign:
+        model.load_state_dict(whole, assign=True)
 
 
 def _pattern(name: str) -> str:
