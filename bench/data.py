@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.config import DataConfig
-from pretrain.data.c4 import read_documents
+from pretrain.data.documents import read_documents
 from pretrain.data.fetch import default_cache, fetch
 from pretrain.data.loader import build_train_loader
 from pretrain.data.prepare import prepare_file
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({sum(s['tokens'] for s in stats) / took / 1e6:.2f}M tokens/s)")
 
     # (a) sentencepiece's own batched encoding on the same text
-    texts = [d["text"] for f in files for d in read_documents(f, Counter())]
+    texts = [d.text for f in files for d in read_documents(f, Counter())]
     n_tokens = sum(s["tokens"] for s in stats)
     spm_rate = _rate(lambda: tok.sp.encode(texts, num_threads=1), n_tokens, 2.0)
     print(f"(a) sentencepiece encode, 1 thread: {spm_rate / 1e6:.2f}M tokens/s")

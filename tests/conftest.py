@@ -18,7 +18,7 @@ import pytest
 
 from pretrain.config import DataConfig
 from pretrain.data import fetch as fetch_module
-from pretrain.data.c4 import expand_glob
+from pretrain.data.documents import expand_glob
 from pretrain.data.prepare import prepare
 from pretrain.data.shards import FORMAT_VERSION
 from tokenizer.train import train
@@ -80,7 +80,7 @@ def data_cache() -> Path:
 @pytest.fixture(scope="session")
 def c4_dir(data_cache: Path) -> Path:
     """Real English text (the gensim Wikipedia sample + news) as 8 c4-train files and 1 c4-validation file."""
-    key = _key(code=("pretrain/data/fetch.py", "pretrain/data/c4.py"))
+    key = _key(code=("pretrain/data/fetch.py", "pretrain/data/documents.py"))
     return _build_once(data_cache / "test-fixtures" / f"c4-{key}",
                        lambda tmp: fetch_module.fetch(tmp, data_cache, num_train_files=8))
 
@@ -90,7 +90,7 @@ def tokenizer_model(c4_dir: Path, data_cache: Path) -> str:
     """Path to a tiny T5-style spiece.model: 1000 pieces + 100 sentinels = 1100 ids."""
     files = expand_glob(str(c4_dir / "c4-train.*.json.gz"))
     key = _key(_files_digest(files), TOKENIZER_PIECES, TOKENIZER_SAMPLE_BYTES,
-               code=("tokenizer/train.py", "pretrain/data/c4.py"))
+               code=("tokenizer/train.py", "pretrain/data/documents.py"))
     folder = _build_once(data_cache / "test-fixtures" / f"tokenizer-{key}",
                          lambda tmp: train(files, tmp, TOKENIZER_PIECES, TOKENIZER_SAMPLE_BYTES, seed=0))
     return str(folder / "spiece.model")
@@ -105,7 +105,7 @@ def shards(c4_dir: Path, tokenizer_model: str, data_cache: Path) -> PreparedData
     valid_files = expand_glob(str(c4_dir / "c4-validation.*.json.gz"))
     key = _key(_files_digest(train_files + valid_files), hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest(),
                FORMAT_VERSION,
-               code=("pretrain/data/prepare.py", "pretrain/data/shards.py", "pretrain/data/c4.py", "tokenizer/spm.py"))
+               code=("pretrain/data/prepare.py", "pretrain/data/shards.py", "pretrain/data/documents.py", "tokenizer/spm.py"))
 
     def build(tmp: Path) -> None:
         prepare(train_files, tmp / "train", tokenizer_model, workers=2)  # the default pack size, as the SLURM

@@ -23,7 +23,7 @@ import torch
 from webdataset import TarWriter
 
 from pretrain.config import UsageError
-from pretrain.data.c4 import expand_glob
+from pretrain.data.documents import expand_glob
 from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.prepare import prepare
 from pretrain.data.shards import encode_pack

@@ -1,15 +1,18 @@
-"""Shard preparation: token ids and urls round-trip, each kind of bad input is counted, idempotence, array split."""
+"""Shard preparation: token ids and urls round-trip from every input format, each kind of bad input is counted,
+no temporary file is left on a failure, idempotence, array split."""
 import gzip
 import json
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import sentencepiece as spm
 
-from pretrain.data.c4 import expand_glob
+from pretrain.data.documents import expand_glob
 from pretrain.data.prepare import main, prepare
 from pretrain.data.shards import decode_pack, pack_urls, read_packs
+from tests.test_documents import real_documents, write_formats
 
 GOOD = [{"text": f"Document number {i} talks about the court of appeals.", "timestamp": "t", "url": f"u{i}"}
         for i in range(6)]
@@ -44,9 +47,10 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, ca
     main(["--input", str(src / "*.json.gz"), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model,
           "--workers", "2", "--pack-tokens", "1000"])
     out = capsys.readouterr().out
-    assert "bad input skipped: invalid_json=1, non_utf8=1, missing_text=3, truncated_gzip=1" in out
+    assert "bad input skipped: invalid_json=1, non_utf8=1, missing_text=2, empty_text=1, truncated_gzip=1" in out
     index = json.loads((tmp_path / "out" / "index.json").read_text())
-    assert index["bad"] == {"invalid_json": 1, "non_utf8": 1, "missing_text": 3, "truncated_gzip": 1}
+    assert {k: v for k, v in index["bad"].items() if v} == {"invalid_json": 1, "non_utf8": 1, "missing_text": 2,
+                                                            "empty_text": 1, "truncated_gzip": 1}
     assert index["shards"]["shard-000000.tar"]["bad"]["invalid_json"] == 1
     assert index["complete"] and index["num_ids"] == 1100
 
@@ -63,6 +67,66 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, ca
     assert index["shards"]["shard-000001.tar"]["packs"] > 1  # documents round-trip across pack boundaries
     assert index["documents"] == 4 + len(truncated)
     assert index["tokens"] == sum(len(ids) for ids, _ in docs + truncated)
+
+
+def test_every_format_gives_the_shard_of_the_c4_file(tmp_path, c4_dir, tokenizer_model, capsys):
+    original = c4_dir / "c4-validation.00000-of-00001.json.gz"
+    main(["--input", str(original), "--output", str(tmp_path / "c4"), "--tokenizer", tokenizer_model, "--workers", "1"])
+    want = read_shard(tmp_path / "c4" / "shard-000000.tar")
+    formats = write_formats(real_documents(c4_dir), tmp_path / "in")
+    (tmp_path / "in" / "docs.data").write_bytes((tmp_path / "in" / "docs.jsonl").read_bytes())
+    formats["--format jsonl"] = (tmp_path / "in" / "docs.data", None, None)
+    flags = {"text blocks": ["--text-documents", "block"], "--format jsonl": ["--format", "jsonl"]}
+    for name, (path, _, _) in formats.items():
+        out = tmp_path / name.replace(" ", "_")
+        main(["--input", str(path), "--output", str(out), "--tokenizer", tokenizer_model, "--workers", "1",
+              "--text-field", "body", *flags.get(name, [])])
+        assert "bad input skipped: none" in capsys.readouterr().out, name
+        got = read_shard(out / "shard-000000.tar")
+        assert len(got) == len(want) == 104, name
+        for (ids, url), (want_ids, want_url) in zip(got, want):
+            np.testing.assert_array_equal(ids, want_ids)  # sentencepiece reads a newline as a space
+            assert url == ("" if name.startswith("text") else want_url), name
+        if not name.startswith("text"):  # the same documents and urls: the same shard, byte for byte
+            assert (out / "shard-000000.tar").read_bytes() == (tmp_path / "c4" / "shard-000000.tar").read_bytes()
+
+
+def test_a_lone_surrogate_is_counted_and_skipped(tmp_path, tokenizer_model, capsys):
+    """A document holding "\ud800" (valid JSON) ended prepare with a TypeError naming no file, leaving a temp file."""
+    write_c4(tmp_path / "c4-train.00000-of-00001.json.gz", [
+        json.dumps(GOOD[0]).encode(), b'{"text": "half a pair \\ud800 of surrogates", "url": "s"}',
+        json.dumps(GOOD[1]).encode()])
+    main(["--input", str(tmp_path / "*.json.gz"), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model,
+          "--workers", "1"])
+    assert "2 documents" in capsys.readouterr().out
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["documents"] == 2 and index["bad"]["lone_surrogate"] == 1
+    assert [url for _, url in read_shard(tmp_path / "out" / "shard-000000.tar")] == ["u0", "u1"]
+    assert not list((tmp_path / "out").glob("*.tmp*"))
+
+
+def test_empty_documents_are_counted_and_dropped(tmp_path, tokenizer_model, capsys):
+    """Zero-length, whitespace-only and zero-width-space documents (no token at all) are counted, never stored."""
+    write_c4(tmp_path / "c4-train.00000-of-00001.json.gz", [json.dumps(d).encode() for d in [
+        GOOD[0], {"text": "", "url": "e1"}, {"text": " \n\t ", "url": "e2"}, {"text": "\u200b\u200b", "url": "e3"},
+        GOOD[1]]])
+    main(["--input", str(tmp_path / "*.json.gz"), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model,
+          "--workers", "1"])
+    assert "2 documents" in capsys.readouterr().out
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["documents"] == 2 and index["bad"]["empty_text"] == 3
+    docs = read_shard(tmp_path / "out" / "shard-000000.tar")
+    assert [url for _, url in docs] == ["u0", "u1"] and all(len(ids) for ids, _ in docs)
+
+
+def test_a_file_that_cannot_be_read_is_one_line_and_leaves_no_temporary_file(tmp_path, tokenizer_model, capsys):
+    (tmp_path / "c4-train.00000-of-00001.json.gz").write_text(json.dumps(GOOD[0]) + "\n")  # not gzip
+    with pytest.raises(SystemExit) as exit:
+        main(["--input", str(tmp_path / "*.json.gz"), "--output", str(tmp_path / "out"), "--tokenizer",
+              tokenizer_model, "--workers", "1"])
+    assert exit.value.code == 2
+    assert "c4-train.00000-of-00001.json.gz is not a gzip file of JSON lines" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # no shard, no temporary file, no index
 
 
 def test_idempotent_and_split_across_array_tasks(tmp_path, c4_dir, tokenizer_model):

@@ -1,14 +1,19 @@
-"""Tokenizer: T5's special ids and sentinels, round trips on real text, the training CLI's user errors."""
+"""Tokenizer: T5's special ids and sentinels, round trips on real text, every input format, the training CLI's
+user errors and advice (bad text, CJK/emoji text that needs more pieces than the vocabulary holds)."""
 import gzip
 import json
+import random
+import re
 import subprocess
 import sys
 
 import pytest
 import sentencepiece as spm
 
+from pretrain.data.documents import InputLayout
+from tests.test_documents import real_documents, write_formats
 from tokenizer.spm import Tokenizer
-from tokenizer.train import train
+from tokenizer.train import main, train
 
 
 def test_special_ids_and_sentinels(tokenizer_model):
@@ -69,3 +74,78 @@ def test_cli_glob_matching_nothing_is_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("python -m tokenizer.train: error: no files match")
     assert "Traceback" not in r.stderr
+
+
+def _pieces(model) -> list[tuple[str, float]]:
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    return [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+
+
+def test_every_format_trains_the_same_model(c4_dir, tmp_path):
+    formats = write_formats(real_documents(c4_dir), tmp_path / "in")
+    want = _pieces(train([str(c4_dir / "c4-validation.00000-of-00001.json.gz")], tmp_path / "c4", vocab_size=300))
+    for name in ("jsonl.gz", "parquet", "text blocks"):  # blocks: the same lines as the originals
+        path, layout, _ = formats[name]
+        assert _pieces(train([str(path)], tmp_path / name, vocab_size=300, layout=layout)) == want, name
+
+
+def test_a_lone_surrogate_is_counted_and_skipped(c4_dir, tmp_path, caplog):
+    """A document holding "\\ud800" (valid JSON) failed training with the advice to lower --vocab-size."""
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    with gzip.open(c4_dir / "c4-validation.00000-of-00001.json.gz", "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    with gzip.open(path, "wb") as f:
+        f.writelines(lines[:50] + [b'{"text": "half a pair \\ud800 of surrogates"}\n'] + lines[50:])
+    main(["--input", str(path), "--output", str(tmp_path / "tok"), "--vocab-size", "300"])
+    assert Tokenizer(tmp_path / "tok" / "spiece.model").num_pieces == 300
+    assert "skipped bad input: {'lone_surrogate': 1}" in caplog.text
+
+
+# Real sentences in Chinese, Japanese and Korean with emoji; documents are fragments of them drawn with Zipf
+# weights, so that, as in real CJK text, a long tail of rare characters decides how many pieces coverage needs.
+CJK_SENTENCES = [
+    "今天天气很好，我们去公园散步吧。🌞", "法院今天就这起上诉案件作出了判决。⚖️", "東京の桜は三月の終わりに咲き始めます。🌸",
+    "我喜欢在周末读书和喝茶。📚🍵", "这家餐厅的饺子非常好吃！🥟😋", "研究人员发现了一种新的蛋白质结构。🔬",
+    "明日は雨が降るかもしれないので、傘を持って行ってください。☔", "火车站离这里大约有两公里。🚉",
+    "彼女は毎朝六時に起きてジョギングをします。🏃‍♀️", "这本小说讲述了一个关于友谊和勇气的故事。❤️",
+    "서울의 겨울은 매우 춥습니다. ❄️", "会议将于下周三下午两点在三楼举行。📅", "猫がソファの上で気持ちよさそうに寝ている。🐱💤",
+    "他把自行车停在了图书馆门口。🚲", "新しいスマートフォンの電池は二日間持ちます。📱🔋", "孩子们在海边堆沙堡，玩得很开心。🏖️😄",
+    "经济学家预计明年的增长率会略有下降。📉", "この町には古い神社がたくさんあります。⛩️", "我们的航班因为大雾推迟了三个小时。✈️🌫️",
+    "请把窗户关上，外面风很大。🌬️", "박물관은 월요일에 문을 닫습니다. 🏛️", "医生建议他每天多喝水，早点睡觉。💧🛌",
+]
+
+
+def write_cjk(path, num_docs: int = 400) -> None:
+    rng = random.Random(0)
+    weights = [1 / (k + 1) for k in range(len(CJK_SENTENCES))]
+
+    def fragment() -> str:
+        sentence = rng.choices(CJK_SENTENCES, weights)[0]
+        start = rng.randrange(len(sentence))
+        return sentence[start : start + rng.randint(2, 8)]
+
+    docs = ["".join(fragment() for _ in range(rng.randint(10, 40))) for _ in range(num_docs)]
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs))
+
+
+def test_cjk_and_emoji_text_gets_one_piece_of_advice_that_works(tmp_path, capsys):
+    """sentencepiece said "increase vocab_size or decrease character_coverage", the wrapper added "lower
+    --vocab-size", and there was no flag for the coverage."""
+    write_cjk(tmp_path / "cjk.jsonl")
+    args = ["--input", str(tmp_path / "cjk.jsonl"), "--output", str(tmp_path / "tok")]
+    with pytest.raises(SystemExit) as exit:
+        main(args + ["--vocab-size", "250"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit.value.code == 2 and "lower --vocab-size" not in line
+    m = re.fullmatch(r"python -m tokenizer.train: error: the characters that --character-coverage 0.9999 keeps need "
+                     r"(\d+) pieces \(with pad, eos, unk\), more than --vocab-size 250: raise --vocab-size to \1 or "
+                     r"more, or lower --character-coverage \(down to 0.98; the rarer characters then become unk\)", line)
+    assert m, line
+    main(args + ["--vocab-size", m[1]])  # either change works
+    assert Tokenizer(tmp_path / "tok" / "spiece.model").num_pieces == int(m[1])
+    main(args + ["--vocab-size", "250", "--character-coverage", "0.98"])
+    tok = Tokenizer(tmp_path / "tok" / "spiece.model")
+    assert tok.num_pieces == 250 and tok.unk_id in tok.encode("".join(CJK_SENTENCES))  # the rarest became unk
+    with pytest.raises(SystemExit):  # at its floor the coverage is no longer offered
+        main(args + ["--vocab-size", "200", "--character-coverage", "0.98"])
+    assert capsys.readouterr().err.strip().endswith("more than --vocab-size 200: raise --vocab-size to 239 or more")

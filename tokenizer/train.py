@@ -1,16 +1,17 @@
 """`python -m tokenizer.train --input 'GLOB' --output DIR --vocab-size N`: a T5-style SentencePiece model.
 
-Trains a unigram model on text streamed from C4 json.gz files: files are visited in a seeded random order
-and whole documents are taken until `--max-bytes` of text is collected (C4 files are already shuffled, so
-this is a random sample with memory bounded by the budget). Ids as T5: pad 0, eos 1, unk 2, no BOS; the
-100 sentinels are added on top by `tokenizer.spm.Tokenizer`, as T5 and HuggingFace do. Writes
-DIR/spiece.model (and spiece.vocab).
+Trains a unigram model on text streamed from input files (C4 json.gz, other JSON lines, plain text, Parquet:
+pretrain/data/documents.py): files are visited in a seeded random order and whole documents are taken until
+`--max-bytes` of text is collected (C4 files are already shuffled, so this is a random sample with memory
+bounded by the budget). Ids as T5: pad 0, eos 1, unk 2, no BOS; the 100 sentinels are added on top by
+`tokenizer.spm.Tokenizer`, as T5 and HuggingFace do. Writes DIR/spiece.model (and spiece.vocab).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -18,23 +19,29 @@ from typing import Iterator
 import sentencepiece as spm
 from tqdm import tqdm
 
-from pretrain.data.c4 import expand_glob, read_documents
+from pretrain.config import UsageError
+from pretrain.data.documents import InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents
 from tokenizer.spm import EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_SENTENCE_BYTES = 4192  # sentencepiece's own limit; longer lines are cut, not dropped
+CHARACTER_COVERAGE = 0.9999  # T5's value for English C4: rare characters fall back to unk
+MIN_CHARACTER_COVERAGE = 0.98  # sentencepiece refuses less
+# sentencepiece's two ways of saying the vocabulary does not fit the sample (trainer_interface.cc, unigram)
+_TOO_FEW_PIECES = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+_TOO_MANY_PIECES = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 
 
-def sample_lines(files: list[str], max_bytes: int, seed: int, bad: Counter) -> Iterator[str]:
+def sample_lines(files: list[str], max_bytes: int, seed: int, bad: Counter, layout: InputLayout) -> Iterator[str]:
     """Lines of documents from `files` (in a seeded order) until `max_bytes` of text; bad input counted."""
     order = list(files)
     random.Random(seed).shuffle(order)
     taken = 0
     with tqdm(total=max_bytes, unit="B", unit_scale=True, desc="tokenizer sample") as bar:
         for path in order:
-            for doc in read_documents(path, bad):
-                for line in doc["text"].splitlines():
+            for doc in read_documents(path, bad, layout):
+                for line in doc.text.splitlines():
                     line = line.strip().encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
                     if line:
                         taken += len(line.encode("utf-8"))
@@ -44,26 +51,58 @@ def sample_lines(files: list[str], max_bytes: int, seed: int, bad: Counter) -> I
                     return
 
 
+def advice(error: str, character_coverage: float) -> str:
+    """One line for a sentencepiece training failure: what happened, in our flags, and the one thing to change."""
+    first = error.strip().splitlines()[0] if error.strip() else "no message"
+    if m := _TOO_FEW_PIECES.search(error):
+        vocab, needed = m.groups()
+        lower = (f", or lower --character-coverage (down to {MIN_CHARACTER_COVERAGE}; the rarer characters then "
+                 "become unk)" if character_coverage > MIN_CHARACTER_COVERAGE else "")
+        return (f"the characters that --character-coverage {character_coverage} keeps need {needed} pieces (with pad, "
+                f"eos, unk), more than --vocab-size {vocab}: raise --vocab-size to {needed} or more{lower}")
+    if m := _TOO_MANY_PIECES.search(error):
+        vocab, most = m.groups()
+        return (f"the sample yields at most {most} pieces, fewer than --vocab-size {vocab}: lower --vocab-size to "
+                f"{most} or less, or raise --max-bytes (or give more text)")
+    return f"sentencepiece failed: {first}"
+
+
 def train(
     files: list[str], output: Path, vocab_size: int = 32000, max_bytes: int = 200_000_000, seed: int = 0,
-    num_threads: int = 2,
+    num_threads: int = 2, character_coverage: float = CHARACTER_COVERAGE, layout: InputLayout = InputLayout(),
 ) -> Path:
-    """Train and write output/spiece.model; returns its path."""
+    """Train and write output/spiece.model; returns its path. sentencepiece's own failures are RuntimeErrors
+    (`advice` words them); our reader's (a UsageError naming a file) come out as they are."""
     output.mkdir(parents=True, exist_ok=True)
     bad: Counter = Counter()
+    reader_errors: list[BaseException] = []
+
+    def sample() -> Iterator[str]:
+        # sentencepiece turns an exception of its iterator into RuntimeError("INTERNAL: ..."): keep ours
+        try:
+            yield from sample_lines(files, max_bytes, seed, bad, layout)
+        except Exception as e:
+            reader_errors.append(e)
+            raise
+
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sample_lines(files, max_bytes, seed, bad),
-        model_prefix=str(output / "spiece"),
-        model_type="unigram",
-        vocab_size=vocab_size,
-        character_coverage=0.9999,  # T5's value for English C4: rare characters fall back to unk
-        pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
-        input_sentence_size=0,  # the byte budget above already bounds the sample
-        max_sentence_length=MAX_SENTENCE_BYTES,
-        num_threads=num_threads,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sample(),
+            model_prefix=str(output / "spiece"),
+            model_type="unigram",
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
+            input_sentence_size=0,  # the byte budget above already bounds the sample
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError:
+        if reader_errors:
+            raise reader_errors[0] from None
+        raise
     if sum(bad.values()):
         log.warning("skipped bad input: %s", dict(bad))
     return output / "spiece.model"
@@ -71,26 +110,33 @@ def train(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tokenizer.train", description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="quoted glob of C4 json.gz files")
+    p.add_argument("--input", required=True, help="quoted glob of input files (C4 json.gz, .jsonl, .txt, .parquet)")
     p.add_argument("--output", required=True, type=Path, help="folder for spiece.model")
     p.add_argument("--vocab-size", type=int, default=32000, help="pieces, without the 100 sentinels")
+    p.add_argument("--character-coverage", type=float, default=CHARACTER_COVERAGE,
+                   help=f"share of the sample's characters the vocabulary keeps; the rarest others become unk "
+                        f"(default {CHARACTER_COVERAGE}, T5's for English; 0.9995 is usual for CJK)")
     p.add_argument("--max-bytes", type=int, default=200_000_000, help="text sample budget in bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    add_layout_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.vocab_size < 4:
         p.error(f"--vocab-size must be at least 4, got {args.vocab_size}")
     if args.max_bytes < 1:
         p.error(f"--max-bytes must be at least 1, got {args.max_bytes}")
+    if not MIN_CHARACTER_COVERAGE <= args.character_coverage <= 1:
+        p.error(f"--character-coverage must be in [{MIN_CHARACTER_COVERAGE}, 1], got {args.character_coverage}")
     try:
-        files = expand_glob(args.input)
-    except ValueError as e:
+        layout = layout_from_args(args)
+        files = expand_glob(args.input, layout)
+        model = train(files, args.output, args.vocab_size, args.max_bytes, args.seed, args.threads,
+                      args.character_coverage, layout)
+    except UsageError as e:
         p.error(str(e))
-    try:
-        model = train(files, args.output, args.vocab_size, args.max_bytes, args.seed, args.threads)
-    except RuntimeError as e:  # sentencepiece reports a sample too small for the vocabulary this way
-        p.error(f"sentencepiece failed: {str(e).splitlines()[0]}; lower --vocab-size or raise --max-bytes")
+    except RuntimeError as e:  # sentencepiece's way of reporting a sample that does not fit the vocabulary
+        p.error(advice(str(e), args.character_coverage))
     tok = Tokenizer(model)
     print(f"{model}: {tok.num_pieces} pieces + 100 sentinels = {tok.num_ids} ids (model.vocab_size 0 reads them; "
           "the model pads its rows per TP)")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pretrain.config import UsageError
-from pretrain.data.c4 import train_name, validation_name, write_documents
+from pretrain.data.documents import train_name, validation_name, write_documents
 
 log = logging.getLogger(__name__)
 

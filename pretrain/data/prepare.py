@@ -1,12 +1,14 @@
-"""`python -m pretrain.data.prepare --input 'GLOB' --output DIR --tokenizer MODEL`: C4 json.gz -> webdataset shards.
+"""`python -m pretrain.data.prepare --input 'GLOB' --output DIR --tokenizer MODEL`: text files -> webdataset shards.
 
-One shard per input file (`shard-NNNNNN.tar`, N the file's position in the sorted glob; documents in packs of
-`--pack-tokens` tokens, see pretrain/data/shards.py), tokenized with the SentencePiece model, plus a sidecar
-`shard-NNNNNN.json` (documents, tokens, packs, bad input, format) and `index.json` gathering them. Parallel
-over files with a process pool (`--workers`) and across machines as a SLURM array job
-(`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is written under a
-temporary name and renamed, and shards already present in the current format are skipped. Bad input is skipped, counted
-and reported at the end and in the index; it never stops the run.
+Reads C4 json.gz, other JSON lines, plain text and Parquet (pretrain/data/documents.py: `--format`,
+`--text-field`, `--text-documents`). One shard per input file (`shard-NNNNNN.tar`, N the file's position in the
+sorted glob; documents in packs of `--pack-tokens` tokens, see pretrain/data/shards.py), tokenized with the
+SentencePiece model, plus a sidecar `shard-NNNNNN.json` (documents, tokens, packs, bad input, format) and
+`index.json` gathering them. Parallel over files with a process pool (`--workers`) and across machines as a
+SLURM array job (`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is written under a
+temporary name and renamed (and removed on any failure), and shards already present in the current format are
+skipped. Bad input (including documents that encode to no token) is skipped, counted and reported at the end and
+in the index; it never stops the run.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from tqdm import tqdm
 from webdataset import TarWriter
 
 from pretrain.config import UsageError
-from pretrain.data.c4 import BAD_KINDS, expand_glob, read_documents
+from pretrain.data.documents import (
+    BAD_KINDS, Document, InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents,
+)
 from pretrain.data.shards import FORMAT_VERSION, INDEX, PACK_TOKENS, encode_pack, shard_name, token_suffix, write_json
 from tokenizer.spm import Tokenizer
 
@@ -36,9 +40,12 @@ def _sidecar(tar: Path) -> Path:
     return tar.with_suffix(".json")
 
 
-def prepare_file(source: str, tar: Path, tokenizer_path: str, pack_tokens: int = PACK_TOKENS) -> dict:
-    """Tokenize one C4 file into one shard of document packs (temporary name, then rename); returns its
-    sidecar record. A pack is written once it holds `pack_tokens` tokens, so memory stays bounded."""
+def prepare_file(
+    source: str, tar: Path, tokenizer_path: str, pack_tokens: int = PACK_TOKENS, layout: InputLayout = InputLayout(),
+) -> dict:
+    """Tokenize one input file into one shard of document packs (temporary name, then rename; removed on any
+    failure); returns its sidecar record. A pack is written once it holds `pack_tokens` tokens, so memory stays
+    bounded."""
     tok = Tokenizer(tokenizer_path)
     suffix = token_suffix(tok.num_ids)
     bad: Counter = Counter()
@@ -52,26 +59,34 @@ def prepare_file(source: str, tar: Path, tokenizer_path: str, pack_tokens: int =
         stats["packs"] += 1
         pack.update(ids=[], urls=[], tokens=0)
 
-    def encode(writer: TarWriter, batch: list[dict]) -> None:
-        for doc, ids in zip(batch, tok.encode_batch([d["text"] for d in batch])):
+    def encode(writer: TarWriter, batch: list[Document]) -> None:
+        for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch])):
+            if not ids:  # text that normalises to nothing (zero-width spaces, control characters)
+                bad["empty_text"] += 1
+                continue
             pack["ids"].append(ids)
-            pack["urls"].append(doc.get("url", ""))
+            pack["urls"].append(doc.url)
             pack["tokens"] += len(ids)
             stats["documents"] += 1
             stats["tokens"] += len(ids)
             if pack["tokens"] >= pack_tokens:
                 write_pack(writer)
 
-    with open(tmp, "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
-        batch: list[dict] = []
-        for doc in read_documents(source, bad):
-            batch.append(doc)
-            if len(batch) == ENCODE_BATCH:
-                encode(writer, batch)
-                batch = []
-        encode(writer, batch)
-        if pack["ids"]:
-            write_pack(writer)
+    try:
+        with open(tmp, "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
+            batch: list[Document] = []
+            for doc in read_documents(source, bad, layout):
+                batch.append(doc)
+                if len(batch) == ENCODE_BATCH:
+                    encode(writer, batch)
+                    batch = []
+            encode(writer, batch)
+            if pack["ids"]:
+                write_pack(writer)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        e.add_note(f"while preparing {source} into {tar}")  # a bug's traceback names the file too
+        raise
     stats["bad"] = {k: bad[k] for k in BAD_KINDS}
     write_json(_sidecar(tar), stats)  # sidecar first: a finished tar always has its record
     tmp.replace(tar)
@@ -98,7 +113,8 @@ def write_index(output: Path, shards: list[Path], tokenizer_path: str) -> dict:
         "num_ids": tok.num_ids,
         "documents": sum(e["documents"] for e in entries.values()),
         "tokens": sum(e["tokens"] for e in entries.values()),
-        "bad": {k: sum(e["bad"][k] for e in entries.values()) for k in BAD_KINDS},
+        # .get: a shard prepared before a kind was added lacks it (its sidecar's format is the same)
+        "bad": {k: sum(e["bad"].get(k, 0) for e in entries.values()) for k in BAD_KINDS},
         "shards": entries,
     }
     write_json(output / INDEX, index)
@@ -121,7 +137,7 @@ def _check_output(output: Path, shards: list[Path], tokenizer_path: str) -> None
 
 def prepare(
     files: list[str], output: Path, tokenizer_path: str, workers: int = 1, task_index: int = 0, num_tasks: int = 1,
-    pack_tokens: int = PACK_TOKENS,
+    pack_tokens: int = PACK_TOKENS, layout: InputLayout = InputLayout(),
 ) -> dict:
     """Prepare this task's share of `files` (every num_tasks-th, from task_index); returns the index."""
     output.mkdir(parents=True, exist_ok=True)
@@ -133,7 +149,7 @@ def prepare(
         log.info("%d shards already present, skipped", skipped)
     bar = tqdm(total=sum(os.path.getsize(f) for f, _ in todo), unit="B", unit_scale=True, desc="prepare")
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(prepare_file, f, s, tokenizer_path, pack_tokens) for f, s in todo]
+        futures = [pool.submit(prepare_file, f, s, tokenizer_path, pack_tokens, layout) for f, s in todo]
         for fut in futures:
             bar.update(fut.result()["bytes"])
     bar.close()
@@ -142,7 +158,7 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pretrain.data.prepare", description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="quoted glob of C4 json.gz files")
+    p.add_argument("--input", required=True, help="quoted glob of input files (C4 json.gz, .jsonl, .txt, .parquet)")
     p.add_argument("--output", required=True, type=Path, help="folder for the shards and index.json")
     p.add_argument("--tokenizer", required=True, help="spiece.model from `python -m tokenizer.train`")
     p.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     array_id, array_min = (int(os.environ.get(k, 0)) for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN"))
     p.add_argument("--task-index", type=int, default=array_id - array_min)
     p.add_argument("--num-tasks", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_COUNT", 1)))
+    add_layout_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not 0 <= args.task_index < args.num_tasks:
@@ -161,13 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     try:
-        files = expand_glob(args.input)
+        layout = layout_from_args(args)
+        files = expand_glob(args.input, layout)
         Tokenizer(args.tokenizer)
     except ValueError as e:
         p.error(str(e))
     try:
         index = prepare(files, args.output, args.tokenizer, args.workers, args.task_index, args.num_tasks,
-                        args.pack_tokens)
+                        args.pack_tokens, layout)
     except ValueError as e:
         p.error(str(e))
     bad = ", ".join(f"{k}={v}" for k, v in index["bad"].items() if v) or "none"
