@@ -87,15 +87,24 @@ class PerExampleT5Collator:
         return {"input_ids": inputs, "labels": labels}
 
 
-def _rate(fn, tokens_per_call: int, min_seconds: float = 3.0) -> float:
-    """Tokens per second of this process's CPU time: everything measured runs on one thread, so this is the
-    per-core rate, and other load on a shared machine (which stretches wall time) does not skew the ratios."""
+def cpu_rate(fn, units_per_call: float, min_seconds: float = 3.0) -> float:
+    """Units (tokens, documents, calls) per second of this process's CPU time: everything measured runs on one
+    thread, so this is the per-core rate, and other load on a shared machine (which stretches wall time) does not
+    skew the ratios."""
     fn()  # warm up
     calls, start = 0, time.process_time()
     while time.process_time() - start < min_seconds:
         fn()
         calls += 1
-    return calls * tokens_per_call / (time.process_time() - start)
+    return calls * units_per_call / (time.process_time() - start)
+
+
+def bench_text(vocab_size: int, name: str) -> tuple[list[str], Path, str]:
+    """The fetched train files, a fresh work folder and a `vocab_size`-piece tokenizer trained on all their text."""
+    cache = default_cache()
+    files = [str(f) for f in fetch(cache / "c4", cache) if "train" in f.name]
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    return files, work, str(train(files, work / "tok", vocab_size, max_bytes=10**9, seed=0))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,10 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=8000, help="pieces of the tokenizer trained for the bench")
     args = p.parse_args(argv)
-    cache = default_cache()
-    files = [str(f) for f in fetch(cache / "c4", cache) if "train" in f.name]
-    work = Path(tempfile.mkdtemp(prefix="bench-data-"))
-    model = str(train(files, work / "tok", args.vocab_size, max_bytes=10**9, seed=0))
+    files, work, model = bench_text(args.vocab_size, "bench-data")
     tok = Tokenizer(model)
     raw, tgt = input_and_target_lengths(args.input_length)
 
@@ -124,14 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     # (a) sentencepiece's own batched encoding on the same text
     texts = [d.text for f in files for d in read_documents(f, Counter())]
     n_tokens = sum(s["tokens"] for s in stats)
-    spm_rate = _rate(lambda: tok.sp.encode(texts, num_threads=1), n_tokens, 2.0)
+    spm_rate = cpu_rate(lambda: tok.sp.encode(texts, num_threads=1), n_tokens, 2.0)
     print(f"(a) sentencepiece encode, 1 thread: {spm_rate / 1e6:.2f}M tokens/s")
 
     # end to end: the train loader in the main process
     cfg = DataConfig(train=str(work / "shards"), tokenizer=model, input_length=args.input_length, workers=0,
                      shuffle_buffer=1000)
     loader = iter(build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=args.micro_batch))
-    loader_rate = _rate(lambda: next(loader), args.micro_batch * args.input_length)
+    loader_rate = cpu_rate(lambda: next(loader), args.micro_batch * args.input_length)
     print(f"loader end to end (shards -> batch tensors, 1 core): {loader_rate / 1e6:.2f}M encoder tokens/s")
 
     # (b) the per-example baseline vs ours, on the same chunks
@@ -144,9 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         pos[0] = (pos[0] + args.micro_batch) % len(chunks)
         return chunks[pos[0] : pos[0] + args.micro_batch]
 
-    base_rate = _rate(lambda: baseline(next_chunks()), args.micro_batch * args.input_length)
+    base_rate = cpu_rate(lambda: baseline(next_chunks()), args.micro_batch * args.input_length)
     rng = np.random.default_rng(0)
-    ours_rate = _rate(lambda: collate(list(zip(*span_corrupt(next_chunks(), rng, vocab_size=tok.num_ids, eos_id=1))),
+    ours_rate = cpu_rate(lambda: collate(list(zip(*span_corrupt(next_chunks(), rng, vocab_size=tok.num_ids, eos_id=1))),
                                       args.input_length, tgt), args.micro_batch * args.input_length)
     print(f"(b) per-example DataCollatorForT5MLM-style baseline: {base_rate / 1e6:.2f}M tokens/s; "
           f"ours (corruption + collation): {ours_rate / 1e6:.2f}M tokens/s")

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from bench.documents import block_text, write_formats
 from pretrain.config import UsageError
 from pretrain.data.documents import BAD_KINDS, Document, InputLayout, expand_glob, read_documents
 
@@ -20,42 +21,21 @@ def real_documents(c4_dir: Path) -> list[Document]:
     return list(read_documents(c4_dir / "c4-validation.00000-of-00001.json.gz", Counter()))
 
 
-def block_text(text: str) -> str:
-    """A document as a blank-line-separated block holds no blank line of its own."""
-    return re.sub(r"\n\s*\n", "\n", text)
-
-
-def write_formats(docs: list[Document], folder: Path) -> dict[str, tuple[Path, InputLayout, list[Document]]]:
-    """The documents rewritten into each format: name -> (file, layout, the documents it should read back)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    records = [json.dumps({"body": d.text, "url": d.url}) + "\n" for d in docs]
-    (folder / "docs.jsonl").write_text("".join(records))
-    for name in ("docs.jsonl.gz", "docs.json.gz"):
-        with gzip.open(folder / name, "wt") as f:
-            f.writelines(records)
-    (folder / "lines.txt").write_text("".join(d.text.replace("\n", " ") + "\n" for d in docs))
-    (folder / "blocks.txt").write_text("\n\n".join(block_text(d.text) for d in docs) + "\n")
-    table = pa.table({"id": list(range(len(docs))), "body": [d.text for d in docs], "url": [d.url for d in docs]})
-    pq.write_table(table, folder / "docs.parquet", row_group_size=25)
-    body = InputLayout(text_field="body")
-    no_url = [Document(d.text, "") for d in docs]
-    return {
-        "jsonl": (folder / "docs.jsonl", body, docs),
-        "jsonl.gz": (folder / "docs.jsonl.gz", body, docs),
-        "json.gz": (folder / "docs.json.gz", body, docs),
-        "text lines": (folder / "lines.txt", InputLayout(), [Document(d.text.replace("\n", " "), "") for d in no_url]),
-        "text blocks": (folder / "blocks.txt", InputLayout(text_documents="block"),
-                        [Document(block_text(d.text), "") for d in no_url]),
-        "parquet": (folder / "docs.parquet", body, docs),
-    }
+def expected(name: str, docs: list[Document]) -> list[Document]:
+    """What `write_formats`'s file `name` reads back: plain text holds no urls, and its own layout of lines."""
+    if name == "text lines":
+        return [Document(d.text.replace("\n", " "), "") for d in docs]
+    if name == "text blocks":
+        return [Document(block_text(d.text), "") for d in docs]
+    return docs
 
 
 def test_every_format_reads_the_real_documents_back(c4_dir, tmp_path):
     docs = real_documents(c4_dir)
     assert len(docs) > 100 and sum("\n\n" in d.text for d in docs) > 50  # multi-paragraph documents
-    for name, (path, layout, want) in write_formats(docs, tmp_path).items():
+    for name, (path, layout) in write_formats(docs, tmp_path, row_group_size=25).items():
         bad = Counter()
-        assert list(read_documents(path, bad, layout)) == want, name
+        assert list(read_documents(path, bad, layout)) == expected(name, docs), name
         assert not bad, name
 
 

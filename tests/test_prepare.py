@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from bench.documents import write_formats
 from pretrain.data.documents import expand_glob
 from pretrain.data.prepare import main, prepare
 from pretrain.data.shards import decode_pack, pack_urls, read_packs
-from tests.test_documents import real_documents, write_formats
+from tests.test_documents import real_documents
 
 GOOD = [{"text": f"Document number {i} talks about the court of appeals.", "timestamp": "t", "url": f"u{i}"}
         for i in range(6)]
@@ -75,9 +76,9 @@ def test_every_format_gives_the_shard_of_the_c4_file(tmp_path, c4_dir, tokenizer
     want = read_shard(tmp_path / "c4" / "shard-000000.tar")
     formats = write_formats(real_documents(c4_dir), tmp_path / "in")
     (tmp_path / "in" / "docs.data").write_bytes((tmp_path / "in" / "docs.jsonl").read_bytes())
-    formats["--format jsonl"] = (tmp_path / "in" / "docs.data", None, None)
+    formats["--format jsonl"] = (tmp_path / "in" / "docs.data", None)
     flags = {"text blocks": ["--text-documents", "block"], "--format jsonl": ["--format", "jsonl"]}
-    for name, (path, _, _) in formats.items():
+    for name, (path, _) in formats.items():
         out = tmp_path / name.replace(" ", "_")
         main(["--input", str(path), "--output", str(out), "--tokenizer", tokenizer_model, "--workers", "1",
               "--text-field", "body", *flags.get(name, [])])

@@ -10,8 +10,8 @@ import sys
 import pytest
 import sentencepiece as spm
 
-from pretrain.data.documents import InputLayout
-from tests.test_documents import real_documents, write_formats
+from bench.documents import write_formats
+from tests.test_documents import real_documents
 from tokenizer.spm import Tokenizer
 from tokenizer.train import main, train
 
@@ -85,7 +85,7 @@ def test_every_format_trains_the_same_model(c4_dir, tmp_path):
     formats = write_formats(real_documents(c4_dir), tmp_path / "in")
     want = _pieces(train([str(c4_dir / "c4-validation.00000-of-00001.json.gz")], tmp_path / "c4", vocab_size=300))
     for name in ("jsonl.gz", "parquet", "text blocks"):  # blocks: the same lines as the originals
-        path, layout, _ = formats[name]
+        path, layout = formats[name]
         assert _pieces(train([str(path)], tmp_path / name, vocab_size=300, layout=layout)) == want, name
 
 
