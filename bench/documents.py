@@ -30,7 +30,9 @@ def block_text(text: str) -> str:
     return re.sub(r"\n\s*\n", "\n", text)
 
 
-def write_formats(docs: list[Document], folder: Path, row_group_size: int = 1000) -> dict[str, tuple[Path, InputLayout]]:
+def write_formats(
+    docs: list[Document], folder: Path, row_group_size: int = 1000,
+) -> dict[str, tuple[Path, InputLayout]]:
     """`docs` in each input format (name -> file, layout), the text in a field named `body`; plain text holds
     one document per line (its newlines as spaces) or per block (`block_text`), without urls."""
     folder.mkdir(parents=True, exist_ok=True)

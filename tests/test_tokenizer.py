@@ -139,7 +139,8 @@ def test_cjk_and_emoji_text_gets_one_piece_of_advice_that_works(tmp_path, capsys
     assert exit.value.code == 2 and "lower --vocab-size" not in line
     m = re.fullmatch(r"python -m tokenizer.train: error: the characters that --character-coverage 0.9999 keeps need "
                      r"(\d+) pieces \(with pad, eos, unk\), more than --vocab-size 250: raise --vocab-size to \1 or "
-                     r"more, or lower --character-coverage \(down to 0.98; the rarer characters then become unk\)", line)
+                     r"more, or lower --character-coverage \(down to 0.98; the rarer characters then become unk\)",
+                     line)
     assert m, line
     main(args + ["--vocab-size", m[1]])  # either change works
     assert Tokenizer(tmp_path / "tok" / "spiece.model").num_pieces == int(m[1])

@@ -63,7 +63,8 @@ def advice(error: str, character_coverage: float) -> str:
     if m := _TOO_MANY_PIECES.search(error):
         vocab, most = m.groups()
         return (f"the sample yields at most {most} pieces, fewer than --vocab-size {vocab}: lower --vocab-size to "
-                f"{most} or less, or raise --max-bytes (or give more text)")
+                f"{most} or less, or train on more text (more input, or a larger --max-bytes if the sample stopped "
+                "at it)")
     return f"sentencepiece failed: {first}"
 
 

@@ -230,7 +230,8 @@ def _parquet_documents(path: Path, field: str, bad: Counter) -> Iterator[Documen
         raise UsageError(f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); pass --text-field NAME")
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise UsageError(f"column {field!r} of {path} holds {kind}, not text; pass --text-field NAME of a string column")
+        raise UsageError(f"column {field!r} of {path} holds {kind}, not text; pass --text-field NAME of a string "
+                         "column")
     columns = [field] + (["url"] if field != "url" and "url" in schema.names else [])
     for group in range(pf.num_row_groups):
         try:

@@ -5,10 +5,10 @@ Reads C4 json.gz, other JSON lines, plain text and Parquet (pretrain/data/docume
 sorted glob; documents in packs of `--pack-tokens` tokens, see pretrain/data/shards.py), tokenized with the
 SentencePiece model, plus a sidecar `shard-NNNNNN.json` (documents, tokens, packs, bad input, format) and
 `index.json` gathering them. Parallel over files with a process pool (`--workers`) and across machines as a
-SLURM array job (`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is written under a
-temporary name and renamed (and removed on any failure), and shards already present in the current format are
-skipped. Bad input (including documents that encode to no token) is skipped, counted and reported at the end and
-in the index; it never stops the run.
+SLURM array job (`--task-index/--num-tasks`, default from SLURM_ARRAY_TASK_ID/COUNT). Idempotent: a shard is
+written under a temporary name and renamed (and removed on any failure), and shards already present in the
+current format are skipped. Bad input (including documents that encode to no token) is skipped, counted and
+reported at the end and in the index; it never stops the run.
 """
 from __future__ import annotations
 
