@@ -23,5 +23,6 @@ study: setup
 bench: setup
 	$(PY) -m bench.model
 	OMP_NUM_THREADS=1 $(PY) -m bench.data
+	OMP_NUM_THREADS=1 $(PY) -m bench.documents
 	OMP_NUM_THREADS=1 $(PY) -m bench.zero_memory --dp 2 4
 	$(PY) -m bench.throughput
