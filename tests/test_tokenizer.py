@@ -150,3 +150,12 @@ def test_cjk_and_emoji_text_gets_one_piece_of_advice_that_works(tmp_path, capsys
     with pytest.raises(SystemExit):  # at its floor the coverage is no longer offered
         main(args + ["--vocab-size", "200", "--character-coverage", "0.98"])
     assert capsys.readouterr().err.strip().endswith("more than --vocab-size 200: raise --vocab-size to 239 or more")
+
+
+def test_a_file_the_reader_refuses_is_one_line(c4_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--input", str(c4_dir / "c4-validation.*.json.gz"), "--output", str(tmp_path), "--text-field", "body"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"python -m tokenizer.train: error: {c4_dir}/c4-validation.00000-of-00001.json.gz: no record has the text "
+        "field 'body' (the first has fields text, timestamp, url); pass --text-field NAME")

@@ -73,37 +73,22 @@ def train(
     num_threads: int = 2, character_coverage: float = CHARACTER_COVERAGE, layout: InputLayout = InputLayout(),
 ) -> Path:
     """Train and write output/spiece.model; returns its path. sentencepiece's own failures are RuntimeErrors
-    (`advice` words them); our reader's (a UsageError naming a file) come out as they are."""
+    (`advice` words them); the reader's (a UsageError naming a file) pass through its iterator as they are."""
     output.mkdir(parents=True, exist_ok=True)
     bad: Counter = Counter()
-    reader_errors: list[BaseException] = []
-
-    def sample() -> Iterator[str]:
-        # sentencepiece turns an exception of its iterator into RuntimeError("INTERNAL: ..."): keep ours
-        try:
-            yield from sample_lines(files, max_bytes, seed, bad, layout)
-        except Exception as e:
-            reader_errors.append(e)
-            raise
-
     spm.set_random_generator_seed(seed)
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sample(),
-            model_prefix=str(output / "spiece"),
-            model_type="unigram",
-            vocab_size=vocab_size,
-            character_coverage=character_coverage,
-            pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
-            input_sentence_size=0,  # the byte budget above already bounds the sample
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            num_threads=num_threads,
-            minloglevel=2,
-        )
-    except RuntimeError:
-        if reader_errors:
-            raise reader_errors[0] from None
-        raise
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sample_lines(files, max_bytes, seed, bad, layout),
+        model_prefix=str(output / "spiece"),
+        model_type="unigram",
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
+        input_sentence_size=0,  # the byte budget above already bounds the sample
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
     if sum(bad.values()):
         log.warning("skipped bad input: %s", dict(bad))
     return output / "spiece.model"
