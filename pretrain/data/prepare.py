@@ -147,12 +147,12 @@ def prepare(
     skipped = len(files[task_index::num_tasks]) - len(todo)
     if skipped:
         log.info("%d shards already present, skipped", skipped)
-    bar = tqdm(total=sum(os.path.getsize(f) for f, _ in todo), unit="B", unit_scale=True, desc="prepare")
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # the bar closes on a failure too: otherwise it is drawn again at exit, after the one-line error
+    with tqdm(total=sum(os.path.getsize(f) for f, _ in todo), unit="B", unit_scale=True, desc="prepare") as bar, \
+            ProcessPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(prepare_file, f, s, tokenizer_path, pack_tokens, layout) for f, s in todo]
         for fut in futures:
             bar.update(fut.result()["bytes"])
-    bar.close()
     return write_index(output, shards, tokenizer_path)
 
 
