@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", required=True, type=Path, help="folder for spiece.model")
     p.add_argument("--vocab-size", type=int, default=32000, help="pieces, without the 100 sentinels")
     p.add_argument("--character-coverage", type=float, default=CHARACTER_COVERAGE,
-                   help=f"share of the sample's characters the vocabulary keeps; the rarest others become unk "
-                        f"(default {CHARACTER_COVERAGE}, T5's for English; 0.9995 is usual for CJK)")
+                   help=f"share of the sample's characters the vocabulary keeps as pieces, {MIN_CHARACTER_COVERAGE}-1; "
+                        f"the rarest others become unk (default {CHARACTER_COVERAGE}, T5's for English; 0.9995 is "
+                        "usual for CJK)")
     p.add_argument("--max-bytes", type=int, default=200_000_000, help="text sample budget in bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)

@@ -125,7 +125,7 @@ def read_documents(path: str | Path, bad: Counter, layout: InputLayout = InputLa
 
 
 def _checked(text: object, url: str, bad: Counter) -> Document | None:
-    """The document if `text` is real text, else None with its kind counted (None itself was counted already)."""
+    """The document if `text` is real text, else None with its kind counted (a None text, by the caller)."""
     if text is None:
         return None
     if not isinstance(text, str):
