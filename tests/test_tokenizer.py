@@ -150,6 +150,9 @@ def test_cjk_and_emoji_text_gets_one_piece_of_advice_that_works(tmp_path, capsys
     with pytest.raises(SystemExit):  # at its floor the coverage is no longer offered
         main(args + ["--vocab-size", "200", "--character-coverage", "0.98"])
     assert capsys.readouterr().err.strip().endswith("more than --vocab-size 200: raise --vocab-size to 239 or more")
+    with pytest.raises(SystemExit):  # below sentencepiece's range: refused before reading anything
+        main(args + ["--character-coverage", "0.9"])
+    assert capsys.readouterr().err.strip().endswith("--character-coverage must be in [0.98, 1], got 0.9")
 
 
 def test_a_file_the_reader_refuses_is_one_line(c4_dir, tmp_path, capsys):
