@@ -103,3 +103,14 @@ def test_unknown_mixer_is_one_line_error_listing_valid_names(spec, bad):
 def test_repeated_mixer_rejected():
     with pytest.raises(ValueError, match="names a mixer twice"):
         parse_mixers("random+random")
+
+
+def test_bf16_logits_and_bias_are_summed_in_fp32():
+    from pretrain.model.attention import _softmax
+
+    # logits 256 and a relative bias of 0.5, both bf16 (the engine's dtype): their bf16 sum 256.5 rounds to 256
+    # (bf16 spacing there is 2), which would make both weights 0.5
+    logits = torch.tensor([[256.0, 256.0]], dtype=torch.bfloat16)
+    bias = torch.tensor([[0.5, 0.0]], dtype=torch.bfloat16)
+    expected = torch.softmax(torch.tensor([[256.5, 256.0]]), dim=-1).to(torch.bfloat16)  # 0.62 / 0.38
+    torch.testing.assert_close(_softmax(logits, bias, torch.bfloat16), expected, rtol=0, atol=0)

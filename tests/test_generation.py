@@ -43,6 +43,19 @@ def test_cached_equals_recomputed(spec):
     assert torch.equal(cached[~finished], expected[~finished]) and (cached[finished] == 0).all()
 
 
+def test_greedy_decoding_projects_the_encoder_output_once_per_layer(monkeypatch):
+    from pretrain.model.attention import CrossAttention
+
+    torch.manual_seed(0)
+    model = build_local_model(CFG).eval()
+    calls = []
+    original = CrossAttention.project_memory
+    monkeypatch.setattr(CrossAttention, "project_memory", lambda self, memory: calls.append(1) or original(self, memory))
+    ids, mask = _inputs()
+    out = generate_greedy(model, ids, mask, max_new_tokens=5)
+    assert out.shape[1] == 5 and len(calls) == CFG.num_decoder_layers  # not 5 decode steps x layers
+
+
 def test_vanilla_greedy_equals_huggingface_generate(tmp_path):
     torch.manual_seed(0)
     ours = build_local_model(CFG).eval()

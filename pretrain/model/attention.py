@@ -94,7 +94,7 @@ def _softmax(logits: torch.Tensor, additive: torch.Tensor, dtype: torch.dtype) -
     """softmax(logits + additive) in at least fp32 (bf16 logits lose the small differences that decide the
     weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel."""
     wide = torch.promote_types(dtype, torch.float32)
-    return torch.softmax((logits + additive).to(wide), dim=-1).to(dtype)
+    return torch.softmax(logits.to(wide) + additive.to(wide), dim=-1).to(dtype)  # summed in fp32, not bf16
 
 
 class SelfAttention(nn.Module):

@@ -90,8 +90,10 @@ class Block(nn.Module):
         if memory is not None:
             if cache is None:
                 memory_kv = self.cross.project_memory(memory)
-            else:  # the encoder output is fixed while decoding: project it once
-                memory_kv = cache.setdefault("memory_kv", self.cross.project_memory(memory))
+            else:  # the encoder output is fixed while decoding: project it at the first step only
+                if "memory_kv" not in cache:
+                    cache["memory_kv"] = self.cross.project_memory(memory)
+                memory_kv = cache["memory_kv"]
             h = h + F.dropout(self.cross(self.cross_norm(h), memory_kv, memory_mask), p)
         return h + F.dropout(self.ffn(self.ffn_norm(h)), p)
 
