@@ -10,7 +10,7 @@ import deepspeed
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-from pretrain.config import TrainConfig, ZeroConfig
+from pretrain.config import TrainConfig, UsageError, ZeroConfig
 from pretrain.parallel import deepspeed_mpu
 from pretrain.schedule import SCHEDULES, build_scheduler
 
@@ -47,6 +47,11 @@ def build_deepspeed_config(
         raise ValueError(f"train.optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if train.schedule not in SCHEDULES:
         raise ValueError(f"train.schedule '{train.schedule}' is not one of {', '.join(SCHEDULES)}")
+    if train.optimizer == "adafactor" and zero.stage > 0:
+        # ZeRO (and bf16's optimizer with it) hands the optimizer one flat 1-D partition per group: Adafactor would
+        # keep no factored second moment and take its RMS and update clipping over chunks of mixed parameters
+        raise UsageError(f"train.optimizer adafactor needs zero.stage 0 (got {zero.stage}): ZeRO flattens parameters "
+                         f"and Adafactor's per-matrix statistics with them; use train.optimizer=adamw or zero.stage=0")
     accumulation = num_accumulation_steps(train, dp)
     ds: dict[str, Any] = {
         "train_batch_size": train.global_batch,  # = micro x accumulation x DP; DeepSpeed re-checks it
@@ -59,6 +64,9 @@ def build_deepspeed_config(
         "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 2**31 - 1,  # progress lines are ours (pretrain.metrics)
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every forward and backward to time steps we
+        # time ourselves (pretrain.metrics)
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if precision != "fp32" and zero.stage > 0:
         # gradients accumulate over micro batches and are reduced over DP in fp32, not in bf16/fp16 (whose 8
@@ -74,11 +82,15 @@ def build_deepspeed_config(
                 "betas": [train.beta1, train.beta2],
                 "eps": 1e-8,
                 "weight_decay": train.weight_decay,
-                "torch_adam": True,  # torch's AdamW: no JIT-compiled fused CPU Adam (~40 s on first use)
+                # torch's AdamW, not DeepSpeed's JIT-compiled Adam ops (~40 s on first use, a CUDA toolkit on GPU);
+                # its fused kernel updates a group in one call and keeps the step count on the device: no .item()
+                # per parameter, as the for-each path does to read the step
+                "torch_adam": True,
+                "fused": True,
             },
         }
     else:
-        ds["zero_allow_untested_optimizer"] = True  # a client optimizer (torch's Adafactor)
+        ds["zero_allow_untested_optimizer"] = True  # a client optimizer (torch's Adafactor) at ZeRO 0
     return ds
 
 
@@ -100,18 +112,14 @@ def decays(module: torch.nn.Module, param: torch.nn.Parameter) -> bool:
     return param.ndim >= 3 or (param.ndim == 2 and isinstance(module, _MATRIX_LAYERS))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, per_parameter: bool = False) -> list[dict[str, Any]]:
-    """Two groups (decayed, not decayed), or one per parameter: ZeRO flattens each group into one tensor,
-    and an optimizer with per-tensor statistics (Adafactor's RMS scale and update clipping) must see one
-    parameter's values, not a mix of norms and matrices."""
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups, decayed and not decayed: ZeRO flattens each group into one tensor, and DeepSpeed's bf16
+    optimizer pays per group at start (a gc.collect() per group) and per step (one all-gather per group)."""
     decay, no_decay = [], []
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if p.requires_grad:
                 (decay if decays(module, p) else no_decay).append(p)
-    if per_parameter:
-        return [{"params": [p], "weight_decay": weight_decay} for p in decay] + \
-               [{"params": [p], "weight_decay": 0.0} for p in no_decay]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -124,7 +132,9 @@ def _empty_extra_state(module: torch.nn.Module, state: dict, prefix: str, local_
 
 def _build_adafactor(train: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     # T5's Adafactor (Shazeer & Stern 2018): no momentum, beta2_t = 1 - t^-0.8, update clipping d = 1;
-    # the learning rate comes from our schedule instead of Adafactor's relative step size.
+    # the learning rate comes from our schedule instead of Adafactor's relative step size. Only at ZeRO 0
+    # (build_deepspeed_config), where DeepSpeed keeps each parameter's shape (fp32, or its unfused fp32 master
+    # copies under bf16/fp16), so the second moment is factored per matrix.
     return torch.optim.Adafactor(groups, lr=train.lr, beta2_decay=-0.8, d=1.0, weight_decay=train.weight_decay)
 
 
@@ -143,7 +153,7 @@ def build_engine(
     # that only serves inference all-reduce; training collectives go through torch.distributed.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     model.register_state_dict_post_hook(_empty_extra_state)
-    groups = param_groups(model, train.weight_decay, per_parameter=train.optimizer == "adafactor")
+    groups = param_groups(model, train.weight_decay)
     if precision == "fp16":
         log.warning("precision fp16: T5 v1.1 is known to overflow and diverge in fp16 (its activations exceed "
                     "65504); prefer bf16")

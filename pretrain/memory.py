@@ -141,9 +141,8 @@ def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, opti
     DeepSpeed's layout (deepspeed 0.19): fp32 has no master copy without ZeRO (AdamW keeps m and v, 8 bytes)
     and a partitioned fp32 copy with it (12 bytes over DP); bf16/fp16 keep 2-byte weights, gradients
     accumulated and reduced in fp32 (`data_types.grad_accum_dtype`): ZeRO 1 keeps the whole fp32 gradient
-    (DeepSpeed's BF16 optimizer), stages 2 and 3 a partition over DP. Adafactor keeps one second-moment
-    element per parameter of its flat ZeRO partition (ZeRO flattens, so nothing is factored), or the row and
-    column factors (`factored_elements`) without ZeRO.
+    (DeepSpeed's BF16 optimizer), stages 2 and 3 a partition over DP. Adafactor (ZeRO 0 only, see
+    pretrain.engine) keeps the row and column factors (`factored_elements`).
     """
     p, shard = num_params, lambda nbytes: -(-nbytes // dp)
     wide = precision == "fp32"
@@ -151,11 +150,10 @@ def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, opti
     if stage == 3:
         params = shard(params)
     grads = 4 * p if stage < 2 else shard(4 * p)
-    states_per_param = 8 if optimizer == "adamw" else 4  # m + v, or Adafactor's second moment
     if stage == 0:
         opt = (8 * p if optimizer == "adamw" else 4 * factored_elements) + (0 if wide else 4 * p)
     else:
-        opt = shard((states_per_param + 4) * p)  # + the fp32 master partition
+        opt = shard(12 * p)  # AdamW's m + v + the fp32 master partition
     return params, grads, opt
 
 

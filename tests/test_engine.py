@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pretrain.config import TrainConfig, ZeroConfig
+from pretrain.config import TrainConfig, UsageError, ZeroConfig
 from pretrain.engine import build_deepspeed_config, num_accumulation_steps, param_groups
 from pretrain.schedule import build_scheduler, lr_factor
 
@@ -34,7 +34,9 @@ def test_deepspeed_config_follows_ours():
     assert ds["gradient_clipping"] == 0.5 and ds["checkpoint"]["load_universal"] is True
     params = ds["optimizer"]["params"]
     assert ds["optimizer"]["type"] == "AdamW" and params["betas"] == [0.9, 0.98] and params["weight_decay"] == 0.1
-    ada = build_deepspeed_config(dataclasses.replace(train, optimizer="adafactor"), ZeroConfig(1), "fp32", dp=4)
+    assert params["torch_adam"] and params["fused"]  # torch's fused AdamW: no .item() per parameter per step
+    assert ds["timers"]["throughput"]["enabled"] is False  # no device synchronize at every forward
+    ada = build_deepspeed_config(dataclasses.replace(train, optimizer="adafactor"), ZeroConfig(0), "fp32", dp=4)
     assert "optimizer" not in ada and ada["zero_allow_untested_optimizer"]
     assert "data_types" not in ada  # fp32 accumulates in fp32 anyway
     no_zero = build_deepspeed_config(train, ZeroConfig(stage=0, overlap_comm=False), "bf16", dp=4)
@@ -43,6 +45,15 @@ def test_deepspeed_config_follows_ours():
                                                       allgather_bucket_size=7), "fp16", dp=4)
     assert custom["zero_optimization"] == {"stage": 1, "overlap_comm": False, "reduce_bucket_size": 5,
                                            "allgather_bucket_size": 7}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_adafactor_under_zero_is_refused_in_one_line(stage):
+    # ZeRO hands the optimizer flat 1-D partitions: no factored second moment, RMS over mixed parameters
+    with pytest.raises(UsageError) as e:
+        build_deepspeed_config(TrainConfig(optimizer="adafactor"), ZeroConfig(stage=stage), "bf16", dp=2)
+    assert str(e.value).startswith(f"train.optimizer adafactor needs zero.stage 0 (got {stage})")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("field,value", [("precision", "fp8"), ("stage", 4), ("optimizer", "sgd")])
@@ -118,5 +129,3 @@ def test_weight_decay_reaches_matrices_only():
         assert name in kept
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
-    per_param = param_groups(model, 0.1, per_parameter=True)
-    assert all(len(g["params"]) == 1 for g in per_param) and len(per_param) == len(decay["params"]) + len(kept)
