@@ -153,6 +153,6 @@ def test_attention_maps_are_what_the_layer_applies() -> None:
             v = (attn.qkv(x)[0].view(1, 8, 4, 3, 8)[:, :, :, 2] if "vanilla" in attn.mixers
                  else attn.v(x)[0].view(1, 8, 4, 8)).transpose(1, 2)  # [1, heads, n, d_kv]
             out = (maps["mixed"][None] @ v).transpose(1, 2).reshape(1, 8, -1)
-            torch.testing.assert_close(attn.o(out)[0], expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(attn.o(out), expected, rtol=1e-5, atol=1e-6)
         if encoder == "vanilla":
             torch.testing.assert_close(maps["vanilla"], maps["mixed"])

@@ -25,8 +25,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                            reduce_from_tensor_model_parallel_region)
 from torch import nn
 
 from pretrain.config import ModelConfig, UsageError
@@ -90,6 +91,20 @@ class RelativePositionBias(nn.Module):
         return self.weight[:, self._bucket(k - q)][None]  # [1, heads/tp, n, m]
 
 
+class RowLinear(RowParallelLinear):
+    """megatron's RowParallelLinear (input split over TP along its last dimension, output all-reduced), bias-free,
+    returning the output alone. megatron's own forward hands the matmul `tp_group=None`, which megatron answers
+    with a DeprecationWarning through warnings.warn at every call on rank 0: a torch.compile graph break at each
+    output projection. Here the matmul gets the layer's group; the computation is the same."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward_impl(input=x, weight=self.weight, bias=None,
+                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
+                                 grad_output_buffer=None)
+        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)  # fwd: all-reduce over TP
+
+
 def _softmax(logits: torch.Tensor, additive: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """softmax(logits + additive) in at least fp32 (bf16 logits lose the small differences that decide the
     weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel."""
@@ -130,9 +145,9 @@ class SelfAttention(nn.Module):
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
             else:
                 self.mix = nn.Parameter(torch.zeros(len(mixers)))  # [k], replicated over TP
-        self.o = RowParallelLinear(
-            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False,
-            input_is_parallel=True, skip_bias_add=True,
+        self.o = RowLinear(
+            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
+            skip_bias_add=True,
         )
 
     def mixture_weights(self) -> torch.Tensor:
@@ -178,7 +193,7 @@ class SelfAttention(nn.Module):
         else:
             out = run(x, q, k, v, additive)
         out = out.transpose(1, 2).reshape(b, n, -1)  # [b, n, heads/tp * d_kv]
-        return self.o(out)[0]  # fwd: all-reduce over TP
+        return self.o(out)  # fwd: all-reduce over TP
 
     def _fused(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
         # softmax(a_v Q K^T + sum_i a_i S_i + additive) V = SDPA(a_v Q, K, V, attn_mask = sum_i a_i S_i + additive)
@@ -211,8 +226,10 @@ class SelfAttention(nn.Module):
     def _alpha(self) -> torch.Tensor:
         if self.mix.dim() == 1:
             # one weight vector shared by all heads: each TP rank sees only its heads' gradient, so the
-            # gradient is summed over TP (fwd: identity, bwd: all-reduce) to keep the replicas identical
-            return torch.softmax(tensor_parallel.copy_to_tensor_model_parallel_region(self.mix), dim=-1)
+            # gradient is summed over TP (fwd: identity, bwd: all-reduce) to keep the replicas identical; the
+            # group is passed, as megatron warns at every call without one (a torch.compile graph break)
+            group = parallel_state.get_tensor_model_parallel_group()
+            return torch.softmax(tensor_parallel.copy_to_tensor_model_parallel_region(self.mix, group), dim=-1)
         return torch.softmax(self.mix, dim=-1)
 
 
@@ -227,9 +244,9 @@ class CrossAttention(nn.Module):
             d, inner, config=mp_config, init_method=_normal(f * (d * cfg.d_kv) ** -0.5), bias=False
         )
         self.kv = ColumnParallelLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
-        self.o = RowParallelLinear(
-            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False,
-            input_is_parallel=True, skip_bias_add=True,
+        self.o = RowLinear(
+            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
+            skip_bias_add=True,
         )
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,4 +262,4 @@ class CrossAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         with _fork_tp_rng(p > 0):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
-        return self.o(out.transpose(1, 2).reshape(b, n, -1))[0]
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))

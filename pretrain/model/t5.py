@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from torch import nn
 
 from pretrain.config import ModelConfig, UsageError
-from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, parse_mixers
+from pretrain.model.attention import CrossAttention, RelativePositionBias, RowLinear, SelfAttention, parse_mixers
 from pretrain.model.loss import vocab_parallel_cross_entropy
 from pretrain.parallel import padded_vocab_size
 
@@ -55,7 +55,7 @@ class GatedFFN(nn.Module):
             d, 2 * cfg.d_ff, config=mp_config, bias=False, stride=2,
             init_method=lambda w: nn.init.normal_(w, 0.0, f * d**-0.5),
         )
-        self.wo = RowParallelLinear(
+        self.wo = RowLinear(
             cfg.d_ff, d, config=mp_config, bias=False, input_is_parallel=True, skip_bias_add=True,
             init_method=lambda w: nn.init.normal_(w, 0.0, f * cfg.d_ff**-0.5),
         )
@@ -67,7 +67,7 @@ class GatedFFN(nn.Module):
         if self.training and self.dropout > 0:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # sharded activation: per-TP-rank mask
                 h = F.dropout(h, self.dropout)
-        return self.wo(h)[0]
+        return self.wo(h)
 
 
 class Block(nn.Module):
