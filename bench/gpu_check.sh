@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU check, under 8 minutes on one bare H200 with the device kit installed first:
 #   bash bench/gpu_check.sh [OUT_DIR]            there, with carry [".kit"] (docs/cluster.md, "The one-GPU check")
-#   DRY_RUN=1 bash bench/gpu_check.sh [OUT_DIR]  the same sections on the CPU at tiny sizes (bench/rehearse_gpu_check.sh)
+#   DRY_RUN=1 bash bench/gpu_check.sh [OUT_DIR]  the same sections on the CPU, tiny (bench/rehearse_gpu_check.sh)
 #
 #   0. kit         the kit's wheels (bash bench/device_kit.sh) installed into a temporary folder put on PYTHONPATH
 #   1. env         CUDA, bf16 and NCCL sanity (a bf16 GEMM against fp32, a 1-rank NCCL all-reduce), the versions
@@ -17,8 +17,9 @@
 #
 # Offline: the kit (KIT, default .kit) holds the wheels the machine lacks and data/, which the pipeline reads:
 # tokenizer/spiece.model, shards/train, shards/valid and polarity/ (SST-2 layout). PYTHON selects the interpreter
-# (default python3); DRY_RUN=1 runs on the CPU (gloo, fp32, configs/tiny.yaml, micro batch 4); CONFIG, PRECISION
-# and MICRO_BATCH change the benchmark sections' settings (default configs/base.yaml, bf16, 32).
+# (default python3); DRY_RUN=1 runs on the CPU (gloo, fp32, configs/tiny.yaml, micro batch 4, fewer steps);
+# TIME_SCALE=K gives each section K times its limit; CONFIG, PRECISION and MICRO_BATCH change the benchmark
+# sections' settings (default configs/base.yaml, bf16, 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu_check}}
@@ -26,7 +27,13 @@ KIT=$(realpath "${KIT:-.kit}")
 DATA=$KIT/data
 PY=${PYTHON:-python3}
 DRY_RUN=${DRY_RUN:-0}
-if [ "$DRY_RUN" = 1 ]; then DEVICE=cpu; BACKEND=gloo; else DEVICE=cuda; BACKEND=nccl; fi
+TIME_SCALE=${TIME_SCALE:-1}  # multiplies every section's limit: a dry run on a small, shared CPU needs more
+# a dry run takes the same paths with fewer steps: the benchmarks' 5 + 20 and the pipeline's 50 cost minutes on a CPU
+if [ "$DRY_RUN" = 1 ]; then
+    DEVICE=cpu; BACKEND=gloo; STEPS=(--warmup 1 --steps 2); PIPELINE_STEPS=10
+else
+    DEVICE=cuda; BACKEND=nccl; STEPS=(); PIPELINE_STEPS=50
+fi
 CONFIG=${CONFIG:-$([ "$DRY_RUN" = 1 ] && echo configs/tiny.yaml || echo configs/base.yaml)}
 PRECISION=${PRECISION:-$([ "$DRY_RUN" = 1 ] && echo fp32 || echo bf16)}
 MICRO_BATCH=${MICRO_BATCH:-$([ "$DRY_RUN" = 1 ] && echo 4 || echo 32)}
@@ -40,7 +47,7 @@ START=$(date +%s)
 
 # section NAME LIMIT_S COMMAND...: run it with its output in NAME.log; record ok / FAILED (exit) / TIMEOUT
 section() {
-    local name=$1 limit=$2 t0 rc=0
+    local name=$1 limit=$(($2 * TIME_SCALE)) t0 rc=0
     shift 2
     t0=$(date +%s)
     echo "== $name (limit ${limit}s)"
@@ -128,22 +135,22 @@ pipeline() {
     done
     "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m pretrain.train --config configs/tiny.yaml \
         "run.dir=$WORK/pretrain" "data.train=$DATA/shards/train" "data.valid=$DATA/shards/valid" \
-        "data.tokenizer=$DATA/tokenizer/spiece.model" "precision=$PRECISION" train.steps=50 train.global_batch=4 \
-        checkpoint.every=0 eval.every=50 log.every=10
+        "data.tokenizer=$DATA/tokenizer/spiece.model" "precision=$PRECISION" "train.steps=$PIPELINE_STEPS" \
+        train.global_batch=4 checkpoint.every=0 "eval.every=$PIPELINE_STEPS" log.every=10
     "$PY" -m pretrain.export --run "$WORK/pretrain" --output "$WORK/export"
     "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m pretrain.finetune \
         --config configs/finetune/polarity.yaml "init=$WORK/export" "data.dir=$DATA/polarity" \
-        "run.dir=$WORK/finetune" "precision=$PRECISION" train.steps=50 train.global_batch=32
+        "run.dir=$WORK/finetune" "precision=$PRECISION" "train.steps=$PIPELINE_STEPS" train.global_batch=32
 }
 
 # the sections run in child processes under `timeout`: they see these functions and variables
 export -f kit_install env_check startup_check pipeline
-export PY KIT DATA WORK SITE DEVICE BACKEND PRECISION CONFIG
+export PY KIT DATA WORK SITE DEVICE BACKEND PRECISION CONFIG PIPELINE_STEPS
 section kit 30 bash -c kit_install
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the kit's packages before the interpreter's own
 section env 40 bash -c env_check
 section startup 40 bash -c startup_check
-BENCH=(-m bench.throughput --config "$CONFIG" --precision "$PRECISION" --micro-batch "$MICRO_BATCH")
+BENCH=(-m bench.throughput --config "$CONFIG" --precision "$PRECISION" --micro-batch "$MICRO_BATCH" "${STEPS[@]}")
 section throughput 130 "$PY" "${BENCH[@]}" --variants vanilla dense random factorized_random random+vanilla \
     --out "$WORK/throughput.md"
 section sdpa 80 "$PY" "${BENCH[@]}" --variants vanilla random+vanilla --sdpa both --out "$WORK/sdpa.md"
@@ -165,8 +172,8 @@ section pipeline 110 bash -c pipeline
         cat "$WORK/$part.md" 2>/dev/null || echo "(no table: see $part.log)"
     done
     echo
-    echo "## pipeline (50 pretraining steps, export, fine-tuning + evaluation)"
-    grep -E "step 50/50|eval_loss" "$OUT_DIR/pipeline.log" | tail -n 3 || true
+    echo "## pipeline ($PIPELINE_STEPS pretraining steps, export, fine-tuning + evaluation)"
+    grep -E "step $PIPELINE_STEPS/$PIPELINE_STEPS|eval_loss" "$OUT_DIR/pipeline.log" | tail -n 3 || true
     cat "$WORK/finetune/results.md" 2>/dev/null || echo "(no results: see pipeline.log)"
 } >"$SUMMARY"
 rm -rf "$WORK"
