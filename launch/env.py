@@ -96,6 +96,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Megatron's setting for tensor parallelism: TP's communication kernels run in the order they are issued with the
+# compute that consumes them. CUDA reads it when a process creates its CUDA context, so the launchers put it in the
+# job's environment (launch.local, slurm/site.sh); pretrain.parallel sets it too, for launches that did not.
+CUDA_CONNECTIONS = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 def export_torch_env(d: DistEnv) -> None:
     """Set the variables torch.distributed's env:// rendezvous reads (a no-op under torchrun)."""
     os.environ.update(

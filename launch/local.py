@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Sequence
 
+from launch.env import CUDA_CONNECTIONS
+
 
 def num_local_gpus() -> int:
     import torch  # deferred: --help should not pay for the torch import
@@ -39,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cmd = torchrun_argv(nproc, opts.module, rest)
     except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    os.environ.setdefault(*CUDA_CONNECTIONS)  # before any process of the job creates its CUDA context
     os.execv(cmd[0], cmd)
 
 

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
-from launch.env import distributed_env, export_torch_env
+from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env
 from pretrain.config import ModelConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,12 @@ def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
     backend = _pick_backend(cfg.backend)
     if backend == "nccl":
         if cfg.tensor > 1:
-            # TP's communication must be issued in order with the compute that consumes it (Megatron's setting);
-            # read when the CUDA context is created, i.e. before set_device
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            # read when the CUDA context is created: the launchers set it in the job's environment; this covers
+            # other launches, unless something in this process already created the context
+            if torch.cuda.is_initialized() and os.environ.get(CUDA_CONNECTIONS[0]) != CUDA_CONNECTIONS[1]:
+                log.warning("%s=%s comes too late: the CUDA context exists; set it in the job's environment",
+                            *CUDA_CONNECTIONS)
+            os.environ.setdefault(*CUDA_CONNECTIONS)
         # a task may see all the node's GPUs (torchrun) or only its own (srun --gpus-per-task)
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

@@ -32,4 +32,7 @@ site_setup() {
   # `export NCCL_SOCKET_IFNAME=ib0` or `export NCCL_IB_HCA=mlx5`; `module load cuda/12.4` likewise.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # one thread per process: ranks share the node's cores
   export PYTHONUNBUFFERED=1                      # log lines reach the job's output file as they happen
+  # Megatron's setting for tensor parallelism (launch/env.py, CUDA_CONNECTIONS): CUDA reads it when a process
+  # creates its CUDA context, so it belongs in the job's environment, before any process starts
+  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 }

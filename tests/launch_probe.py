@@ -21,7 +21,8 @@ def main(out_dir: str) -> None:
     ranks = torch.tensor([env.rank])
     gathered = [torch.zeros_like(ranks) for _ in range(env.world_size)]
     dist.all_gather(gathered, ranks)
-    record = {**dataclasses.asdict(env), "gathered": [int(t) for t in gathered], "node": os.environ.get("SLURM_NODEID")}
+    record = {**dataclasses.asdict(env), "gathered": [int(t) for t in gathered], "node": os.environ.get("SLURM_NODEID"),
+              "cuda_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
