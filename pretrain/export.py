@@ -42,9 +42,10 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
-from pretrain.checkpoint import check_complete, complete_steps, tag_for
+from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
+from pretrain.manifest import check_intact, complete_steps, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
@@ -76,7 +77,7 @@ class CheckpointError(UsageError):
 # --------------------------------------------------------------------------------------------------------
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """step_N, or the newest complete checkpoint; an incomplete one (no completion marker, a file missing or
-    cut) is refused, naming what is missing."""
+    cut) or a damaged one (a file whose checksum does not match) is refused, naming the file."""
     root = run_dir / "checkpoints"
     complete = complete_steps(root)
     if step is None:
@@ -88,7 +89,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         available = ", ".join(tag_for(s) for s in complete) or "none"
         raise CheckpointError(f"checkpoint {path} not found; complete ones: {available}")
     try:
-        check_complete(path)
+        check_intact(path)
     except UsageError as e:
         raise CheckpointError(str(e)) from None
     return path
@@ -357,9 +358,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     ckpt = find_checkpoint(run_dir, step)
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg = ModelConfig(**saved["model"])
-    spiece = Path(saved["data"]["tokenizer"])
-    if not spiece.is_file():
-        raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
+    spiece = _trained_tokenizer(ckpt, Path(saved["data"]["tokenizer"]))
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
     model = _tp1_model(cfg, lambda meta: read_checkpoint(ckpt, meta, trainer["tp"]))
@@ -371,6 +370,21 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     }
     return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source,
                         max_shard_size)
+
+
+def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
+    """The tokenizer the model was trained with: the checkpoint's own copy, or (a checkpoint without one)
+    data.tokenizer of its config; refused when its sha256 is not the one in inputs.json."""
+    spiece = ckpt / TOKENIZER if (ckpt / TOKENIZER).is_file() else configured
+    if not spiece.is_file():
+        raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
+    recorded = json.loads((ckpt / INPUTS).read_text())["tokenizer_sha256"] if (ckpt / INPUTS).is_file() else None
+    if recorded is None:
+        log.warning("%s records no tokenizer hash: shipping %s unchecked", ckpt, spiece)
+    elif sha256_of(spiece) != recorded:
+        raise UsageError(f"{spiece} is not the tokenizer the model was trained with (sha256 {recorded[:12]}... in "
+                         f"{ckpt / INPUTS}); it was replaced since")
+    return spiece
 
 
 def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
