@@ -19,6 +19,7 @@ from pretrain.config import CheckpointConfig, ModelConfig, UsageError
 from pretrain.manifest import COMPLETE, complete_steps, describe, missing_parts, write_marker
 from pretrain.metrics import MetricsLogger
 from pretrain.run_lock import RunLock
+from tests.distributed import run_distributed
 
 
 def _checkpoint(root, step: int, complete: bool = True):
@@ -207,6 +208,7 @@ _HOLD = """
 import sys, time
 from pathlib import Path
 from pretrain.run_lock import RunLock
+from tests.distributed import run_distributed
 RunLock(Path(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(3600)
@@ -246,3 +248,54 @@ def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_pat
     with pytest.raises(UsageError, match=r"at TP 2 x DP 2 needs a universal checkpoint, about 10 s of conversion.*"
                                          r"python -m pretrain.reshard --run .*run"):
         prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=20)
+
+
+def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dict:
+    """A tiny real DeepSpeed engine (ZeRO 1, one process): steps 1 and 2, each saved by CheckpointManager.save;
+    then the middle of step 2's optimizer shard is overwritten and the run resumes on its own. Returns what the
+    test checks: the marker and mtimes of step 2 as saved, and the step the resume restored."""
+    import torch
+
+    from pretrain.checkpoint import prepare_resume
+    from pretrain.config import Config, ParallelConfig, load_config, to_yaml
+    from pretrain.engine import build_engine
+    from pretrain.model import build_model, universal_checkpoint_info
+    from pretrain.parallel import init_distributed
+
+    cfg = load_config(Config, "configs/tiny.yaml")
+    dims = init_distributed(ParallelConfig(), seed=3)
+    model = build_model(cfg.model)
+    engine = build_engine(model, dataclasses.replace(cfg.train, micro_batch=2, global_batch=2), cfg.zero, "fp32", 1)
+    progress, inputs = Progress(), RunInputs.of(tokenizer)
+    manager = CheckpointManager(cfg.checkpoint, Path(root), dims, engine=engine, progress=progress, data=None,
+                                inputs=inputs, config_yaml=to_yaml(cfg),
+                                universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))
+    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step in (1, 2):
+        engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
+                               labels=ids[:, 1:7]).loss)
+        engine.step()
+        progress.step = step
+        path = manager.save(step)
+    saved = {"marker": json.loads((path / COMPLETE).read_text())["files"],
+             "mtimes": {str(p.relative_to(root)): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}}
+    _overwrite_middle(next(path.glob("*optim_states.pt")))
+    plan = prepare_resume(find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world), cfg.model, inputs, dims, 60)
+    manager.load(plan)
+    return {**saved, "resumed_step": progress.step}
+
+
+def test_a_real_save_lists_every_file_after_writing_it_and_a_damaged_one_is_skipped(tmp_path, tokenizer_model):
+    root = tmp_path / "checkpoints"
+    result = run_distributed(_save_damage_resume, 1, str(root), tokenizer_model)[0]
+    # the marker lists every file of the folder (DeepSpeed's, ours, the tokenizer copy) with its size and crc32
+    step2 = {name.removeprefix("step_2/"): t for name, t in result["mtimes"].items() if name.startswith("step_2/")}
+    assert set(result["marker"]) == set(step2) - {COMPLETE}
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank0.pt",
+            "trainer_state.json", "config.yaml", "inputs.json", "spiece.model"} <= set(result["marker"])
+    assert (root / "step_2.damaged" / "spiece.model").read_bytes() == Path(tokenizer_model).read_bytes()
+    # ...and it was written after all of them, and `latest` after it
+    assert max(t for name, t in step2.items() if name != COMPLETE) <= step2[COMPLETE] <= result["mtimes"]["latest"]
+    # the damaged step 2 was set aside and the run continued from step 1
+    assert result["resumed_step"] == 1
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1", "step_2.damaged"]
