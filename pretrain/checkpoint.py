@@ -169,11 +169,10 @@ class RunInputs:
             raise UsageError(f"cannot resume from {path}: data.tokenizer changed ({self.tokenizer} has sha256 "
                              f"{self.tokenizer_sha256[:12]}..., the run's has {saved['tokenizer_sha256'][:12]}...; "
                              f"a copy of it is {path / TOKENIZER}); use the run's tokenizer or start a new run.dir")
-        then = [tuple(s) for s in saved["train_shards"]]
-        if self.shards and then != list(self.shards):
-            raise UsageError(f"cannot resume from {path}: data.train changed ({_shard_change(then, list(self.shards))}); "
-                             "the saved data position would apply to other text: restore data.train or start a new "
-                             "run.dir")
+        then, now = [tuple(s) for s in saved["train_shards"]], list(self.shards)
+        if now and then != now:
+            raise UsageError(f"cannot resume from {path}: data.train changed ({_shard_change(then, now)}); the saved "
+                             "data position would apply to other text: restore data.train or start a new run.dir")
 
 
 def _shard_change(then: list[tuple], now: list[tuple]) -> str:

@@ -45,7 +45,7 @@ from transformers import GenerationConfig
 from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
-from pretrain.manifest import check_intact, complete_steps, tag_for
+from pretrain.manifest import check_intact, complete_steps, describe, mismatched, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
@@ -314,11 +314,14 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
         }
     else:
         config.architectures = ["T5ForConditionalGeneration"]
-    config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {}}
+    write_tokenizer(spiece, tmp)
+    # sizes and crc32 of the weights and the tokenizer, checked by read_export (fine-tuning, evaluation)
+    files = describe(tmp, [*_weight_files(tmp), tmp / SPIECE])
+    config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {},
+                          "files": files}
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(str(tmp))
     GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp))
-    write_tokenizer(spiece, tmp)
     num_params = sum(p.numel() for p in model.parameters())  # TP = 1: the full model
     (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output.name))
     tmp.rename(output)
@@ -397,7 +400,12 @@ def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     if "synthesizer" not in config:
         raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
     cfg = ModelConfig(**config["synthesizer"]["model"])
-    hf = {k: v.float() for f in _weight_files(folder) for k, v in load_file(str(f)).items()}
+    files = _weight_files(folder)
+    if "files" not in config["synthesizer"]:
+        log.warning("%s lists no checksums (exported before they were recorded): its files are not checked", folder)
+    elif damaged := mismatched(folder, config["synthesizer"]["files"]):
+        raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
+    hf = {k: v.float() for f in files for k, v in load_file(str(f)).items()}
     return cfg, from_export_state_dict(hf, cfg)
 
 

@@ -87,6 +87,12 @@ def describe(folder: Path, files: list[Path]) -> dict[str, dict]:
     return {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "crc32": crc32_of(f)} for f in files}
 
 
+def mismatched(folder: Path, files: dict[str, dict], names: list[str] | None = None) -> list[str]:
+    """"NAME (checksum mismatch)" for each of `names` (default: every listed file) whose crc32 is not the listed one."""
+    return [f"{name} (checksum mismatch)" for name in (files if names is None else names)
+            if crc32_of(folder / name) != files[name]["crc32"]]
+
+
 def write_marker(folder: Path, files: dict[str, dict]) -> None:
     """Mark `folder` complete: `files` is every file of it with its size and checksum."""
     write_atomic(folder / COMPLETE, json.dumps({"files": files}, indent=1))
@@ -161,8 +167,7 @@ def damaged_parts(path: Path, rank: int = 0, world: int = 1) -> list[str]:
         log.warning("%s lists no checksums (written before they were recorded): its content is not checked",
                     path / COMPLETE)
         return []
-    mine = [f"{name} (checksum mismatch)" for name in _share(files, rank, world)
-            if crc32_of(path / name) != files[name]["crc32"]]
+    mine = mismatched(path, files, _share(files, rank, world))
     if world == 1:
         return mine
     everyone: list[list[str]] = [[] for _ in range(world)]

@@ -292,6 +292,12 @@ def test_pure_synthesizer_layers_round_trip(tmp_path, tokenizer_model):
         assert torch.equal(full_state_dict(loaded)[k], v.to(torch.bfloat16).float()), k
     with pytest.raises(ValueError, match="already exists"):
         write_export(ours, Path(tokenizer_model), out)
+    # what fine-tuning and evaluation read is checked against the crc32s in config.json
+    weights = (out / "model.safetensors").read_bytes()
+    _overwrite_middle(out / "model.safetensors")
+    with pytest.raises(UsageError, match=rf"export {out} is damaged: model.safetensors \(checksum mismatch\); export"):
+        load_pretrained(out)
+    (out / "model.safetensors").write_bytes(weights)
     (out / "spiece.model").unlink()
     with pytest.raises(ValueError, match="spiece.model is missing"):
         load_pretrained(out)
