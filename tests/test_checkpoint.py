@@ -252,8 +252,9 @@ def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_pat
 
 def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dict:
     """A tiny real DeepSpeed engine (ZeRO 1, one process): steps 1 and 2, each saved by CheckpointManager.save;
-    then the middle of step 2's optimizer shard is overwritten and the run resumes on its own. Returns what the
-    test checks: the marker and mtimes of step 2 as saved, and the step the resume restored."""
+    then the middle of step 2's optimizer shard is overwritten and the run resumes on its own; then step 1's
+    header is overwritten too. Returns what the test checks: the marker and mtimes of step 2 as saved, the step
+    the resume restored, and the refusal once no checkpoint is intact."""
     import torch
 
     from pretrain.checkpoint import prepare_resume
@@ -282,7 +283,17 @@ def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dic
     _overwrite_middle(next(path.glob("*optim_states.pt")))
     plan = prepare_resume(find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world), cfg.model, inputs, dims, 60)
     manager.load(plan)
-    return {**saved, "resumed_step": progress.step}
+    # a damaged header of step 1's model states too: no intact checkpoint is left, one line instead of an
+    # UnpicklingError on every requeue
+    model_states = Path(root) / "step_1" / "mp_rank_00_model_states.pt"
+    with model_states.open("r+b") as f:
+        f.write(b"\0" * 64)
+    refusal = ""
+    try:
+        find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world)
+    except UsageError as e:
+        refusal = str(e)
+    return {**saved, "resumed_step": progress.step, "refusal": refusal}
 
 
 def test_a_real_save_lists_every_file_after_writing_it_and_a_damaged_one_is_skipped(tmp_path, tokenizer_model):
@@ -298,4 +309,7 @@ def test_a_real_save_lists_every_file_after_writing_it_and_a_damaged_one_is_skip
     assert max(t for name, t in step2.items() if name != COMPLETE) <= step2[COMPLETE] <= result["mtimes"]["latest"]
     # the damaged step 2 was set aside and the run continued from step 1
     assert result["resumed_step"] == 1
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_1", "step_2.damaged"]
+    assert result["refusal"] == (f"{root / 'latest'} names step_2, which is missing or incomplete, and no other "
+                                 f"complete intact checkpoint is in {root}; the run cannot continue: start a new "
+                                 "run.dir")
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1.damaged", "step_2.damaged"]
