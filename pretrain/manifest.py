@@ -187,25 +187,28 @@ def check_intact(path: Path, rank: int = 0, world: int = 1) -> None:
 # The checkpoint to continue from
 # ----------------------------------------------------------------------------------------------------------------
 def _latest_hint(root: Path) -> str | None:
-    """The tag `latest` names, or a description of why it names none (for the warning)."""
+    """What `latest` says, for the messages: "names step_N", "is unreadable (why)"; None when there is none."""
+    latest = root / LATEST
+    if not latest.exists() and not latest.is_symlink():
+        return None
     try:
-        return (root / LATEST).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        return f"<unreadable: {type(e).__name__}>"
+        return f"names {latest.read_text(encoding='utf-8').strip()}"
+    except (OSError, UnicodeDecodeError) as e:  # a folder, non-UTF-8 bytes, a dangling link
+        return f"is unreadable ({type(e).__name__})"
 
 
 def newest_intact(root: Path, rank: int = 0, world: int = 1) -> Path | None:
     """The newest complete, intact checkpoint under `root` (None when there is none). Damaged ones on the way are
     named in a warning and moved aside (rank 0) to `step_N.damaged`; `latest` is only compared, never followed.
     Every rank of the default process group calls it when `world` > 1."""
-    hint = _latest_hint(root) if (root / LATEST).exists() or (root / LATEST).is_symlink() else None
+    hint = _latest_hint(root)
     for step in reversed(complete_steps(root)):
         path = root / tag_for(step)
         problems = damaged_parts(path, rank, world)
         if not problems:
-            if hint is not None and hint != path.name:
-                log.warning("%s names %s, not %s, the newest complete intact checkpoint: resuming from %s (latest "
-                            "is a hint)", root / LATEST, hint, path.name, path.name)
+            if hint != f"names {path.name}":
+                log.warning("%s %s: resuming from %s, the newest complete intact checkpoint (latest is a hint)",
+                            root / LATEST, hint or "is missing", path.name)
             return path
         log.warning("checkpoint %s (step %d) is damaged: %s; moved to %s%s, trying the one before it", path, step,
                     _shown(problems), path.name, DAMAGED_SUFFIX)
@@ -216,6 +219,6 @@ def newest_intact(root: Path, rank: int = 0, world: int = 1) -> Path | None:
         if world > 1:
             dist.barrier()
     if hint is not None:
-        raise UsageError(f"{root / LATEST} names {hint}, which is missing or incomplete, and no other complete "
-                         f"intact checkpoint is in {root}; the run cannot continue: start a new run.dir")
+        raise UsageError(f"{root / LATEST} {hint}, but no complete intact checkpoint is in {root} (a missing, "
+                         "incomplete or damaged one is never resumed); the run cannot continue: start a new run.dir")
     return None
