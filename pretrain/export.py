@@ -2,7 +2,8 @@
 
     python -m pretrain.export --run RUN_DIR --output OUT [--step N] [--dtype fp32|bf16] [--max-shard-size 5GB]
 
-Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one is refused) in
+Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one, or a damaged one whose
+files do not match their crc32 in complete.json, is refused naming the file) in
 DeepSpeed's sharded layout at any TP, any ZeRO stage and any number of ranks. Each TP rank's fp32 weights are
 rebuilt from its ZeRO shards by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (run on a view holding
 only that TP rank's files, since the tool itself knows no TP), then the TP shards are concatenated as megatron's
@@ -12,8 +13,10 @@ attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every fi
 Output (written to OUT.tmp, renamed to OUT only when complete): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
-mixture weights, the source checkpoint); `generation_config.json`; `README.md` (the model card); `spiece.model`,
-`tokenizer.json` and `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
+mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `read_export`
+checks); `generation_config.json`; `README.md` (the model card); `spiece.model` (the tokenizer the model was
+trained with: the checkpoint's copy, checked against the sha256 in its inputs.json), `tokenizer.json` and
+`tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
 HF T5 (model_type "t5"). A Synthesizer model is model_type "synthesizer_t5" with `auto_map` and the remote code
 of `pretrain/model/hf_synthesizer/` copied in, so `AutoModelForSeq2SeqLM.from_pretrained(OUT,
 trust_remote_code=True)` runs it (and without trust_remote_code transformers refuses it); its extra parameters
