@@ -1,38 +1,43 @@
 """Checkpoints in `run.dir/checkpoints/`: DeepSpeed's sharded layout (every rank writes its part), what DeepSpeed
-does not keep, a completion marker, and the `latest` pointer. The manager is handed the components that save and
-restore themselves (the engine, the progress counters, the data stream) once; `save(step)` writes them and
-`load(plan)` restores them in place (torchtitan's Stateful pattern).
+does not keep, what the run was made from, and the `latest` pointer. The manager is handed the components that
+save and restore themselves (the engine, the progress counters, the data stream) once; `save(step)` writes them
+and `load(plan)` restores them in place (torchtitan's Stateful pattern).
 
 `checkpoints/step_N/` holds DeepSpeed's files (model and ZeRO shards, LR schedule, universal-checkpoint metadata
 in the client state) and ours: `data_dp{r}.pt` (the data position of DP rank r, written by its TP rank 0),
-`rng_rank{r}.pt` (every rank's generators), `trainer_state.json` (progress and layout), `config.yaml` and, last,
-`complete.json`: written by rank 0 only after every rank wrote and closed its files (a barrier) and every file
-was fsync'd, it lists every file with its size. A folder without it, or with a listed file missing or cut, is
-incomplete: resume, export and pruning never use it. `latest` is moved (write, fsync, rename, fsync the folder)
-only after the marker, so a crash or a full disk during a save leaves `latest` on the previous complete
-checkpoint. The newest `checkpoint.keep` complete checkpoints are kept; the newest complete one never goes.
+`rng_rank{r}.pt` (every rank's generators), `trainer_state.json` (progress and layout), `config.yaml`,
+`inputs.json` (the tokenizer's sha256 and the train shards, by name and size, in the stream's order) with a copy
+of the tokenizer (`spiece.model`, which the export ships) and, last, `complete.json`: written by rank 0 only
+after every rank wrote, fsync'd and checksummed its files, it lists every file with its size and crc32
+(`pretrain.manifest`, which also decides which checkpoints are complete and intact). `latest` is moved (write,
+fsync, rename, fsync the folder) after the marker, so a crash or a full disk during a save leaves `latest` on the
+previous complete checkpoint; it is a hint for people: the newest complete intact checkpoint is what a run
+continues from. The newest `checkpoint.keep` complete checkpoints are kept; the newest complete one never goes.
 
-Which checkpoint a run starts from: its own `latest` when there is one (so a requeued job continues where it
-stopped, whatever `checkpoint.resume` says), else `checkpoint.resume` (`auto`: none; a path: that complete
-checkpoint; `none`: start fresh). Resuming on another TP/DP layout goes through DeepSpeed's universal checkpoint:
-`prepare_resume` converts `step_N/` into `step_N_universal/` (on rank 0) when that finishes well inside the
-process-group timeout, and otherwise asks for `python -m pretrain.reshard` first.
+Which checkpoint a run starts from (`find_resume`): its own newest complete intact checkpoint when there is one
+(so a requeued job continues where it stopped, whatever `checkpoint.resume` says), else `checkpoint.resume`
+(`auto`: none; a path: that complete intact checkpoint; `none`: none, and refused where the run.dir holds
+checkpoints: two runs never share a folder). A resume with another model, tokenizer or train shard list is
+refused. Resuming on another TP/DP layout goes through DeepSpeed's universal checkpoint: `prepare_resume`
+converts `step_N/` into `step_N_universal/` (on rank 0) when that finishes well inside the process-group timeout,
+and otherwise asks for `python -m pretrain.reshard` first.
 
 Our files are loaded with `weights_only=True`; DeepSpeed's own files are pickles (resume only from checkpoints
 you trust: docs/training.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,20 +45,16 @@ import yaml
 from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.config import CheckpointConfig, ModelConfig, UsageError
+from pretrain.manifest import (LATEST, check_complete, check_intact, complete_steps, damaged_parts, describe,
+                               fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic, write_marker)
 from pretrain.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 
-_TAG = re.compile(r"^step_(\d+)$")
-LATEST = "latest"
-COMPLETE = "complete.json"
+INPUTS, TOKENIZER = "inputs.json", "spiece.model"
 UNIVERSAL_SUFFIX = "_universal"
 # a conservative rate for DeepSpeed's universal conversion on one process (it reads and rewrites every shard)
 CONVERT_BYTES_PER_S = 20e6
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step}"
 
 
 class CheckpointWriteError(RuntimeError):
@@ -93,63 +94,29 @@ class ResumePlan:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Completeness
+# Which checkpoint, and is it this run's
 # ----------------------------------------------------------------------------------------------------------------
-def missing_parts(path: Path) -> list[str]:
-    """What keeps `path` from being a complete checkpoint ([] when complete)."""
-    if not path.is_dir():
-        return [f"{path} does not exist"]
-    marker = path / COMPLETE
-    try:
-        files = json.loads(marker.read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        return [f"{COMPLETE} (the save was interrupted or the folder is not a checkpoint)"]
-    problems = []
-    for name, size in files.items():
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} (missing)")
-        elif file.stat().st_size != size:
-            problems.append(f"{name} ({file.stat().st_size} of {size} bytes)")
-    return problems
-
-
-def check_complete(path: Path) -> None:
-    """A one-line refusal naming what is missing, for resume and export."""
-    problems = missing_parts(path)
-    if problems:
-        shown = ", ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise UsageError(f"checkpoint {path} is incomplete: {shown}")
-
-
-def complete_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under `root`, ascending."""
-    if not root.is_dir():
-        return []
-    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _TAG.match(p.name)))
-    return [s for s in steps if (root / tag_for(s) / COMPLETE).is_file() and not missing_parts(root / tag_for(s))]
-
-
-def find_resume(cfg: CheckpointConfig, root: Path) -> Path | None:
-    """The checkpoint folder to resume from: the run's own `latest` first, then `checkpoint.resume`."""
+def find_resume(cfg: CheckpointConfig, root: Path, rank: int = 0, world: int = 1) -> Path | None:
+    """The checkpoint folder to resume from: the run's own newest complete intact one first, then
+    `checkpoint.resume`. Every rank of the default process group calls it when `world` > 1 (they share the
+    checksum reads and agree on the outcome)."""
     if cfg.resume == "none":
-        return None
-    latest = root / LATEST
-    if latest.is_file():
-        path = root / latest.read_text().strip()
-        if not missing_parts(path):
-            return path
         steps = complete_steps(root)
-        if not steps:
-            raise UsageError(f"{latest} names {path.name}, which is missing or incomplete, and no other complete "
-                             f"checkpoint is in {root}; set checkpoint.resume=none to start over")
-        log.warning("%s names %s, which is missing or incomplete; resuming from %s, the newest complete one",
-                    latest, path.name, tag_for(steps[-1]))
-        return root / tag_for(steps[-1])
+        if steps:
+            raise UsageError(f"checkpoint.resume=none, but {root.parent} holds checkpoints of a run "
+                             f"({', '.join(tag_for(s) for s in steps[-3:])}); a fresh run goes in a fresh run.dir "
+                             "(to continue that run: checkpoint.resume=auto)")
+        return None
+    own = newest_intact(root, rank, world)
+    if own is not None:
+        if cfg.resume != "auto":
+            log.info("continuing from this run's own %s (checkpoint.resume=%s is for its first start)", own.name,
+                     cfg.resume)
+        return own
     if cfg.resume == "auto":
         return None
     path = Path(cfg.resume)
-    check_complete(path)
+    check_intact(path, rank, world)
     return path
 
 
@@ -164,24 +131,90 @@ def check_same_model(saved: dict[str, Any], current: ModelConfig, path: Path) ->
     if diffs:
         raise UsageError(
             f"cannot resume from {path}: the model changed ({'; '.join(diffs)}); "
-            "restore those values or start a new run.dir (or set checkpoint.resume=none)"
+            "restore those values or start a new run.dir"
         )
+
+
+def sha256_of(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run reads besides its config, recorded in every checkpoint (`inputs.json`): the tokenizer's sha256
+    and the train shards in the order the stream reads them, by name and size (a moved shard folder is the same
+    data; a URL's size is unknown, so its name alone). Fine-tuning records the tokenizer only."""
+
+    tokenizer: Path
+    tokenizer_sha256: str
+    shards: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def of(cls, tokenizer: str | Path, shards: Sequence[str] = ()) -> RunInputs:
+        """`shards` as `pretrain.data.shards.expand_shards` resolves `data.train`."""
+        return cls(Path(tokenizer), sha256_of(Path(tokenizer)),
+                   tuple((s.rsplit("/", 1)[-1], os.path.getsize(s) if os.path.isfile(s) else None) for s in shards))
+
+    def record(self) -> dict:
+        return {"tokenizer_sha256": self.tokenizer_sha256, "train_shards": [list(s) for s in self.shards]}
+
+    def check_resume(self, path: Path) -> None:
+        """Refuse a resume from `path` with another tokenizer or other train shards, in one line naming the change."""
+        if not (path / INPUTS).is_file():
+            log.warning("%s records no tokenizer hash or shard list (written before they were recorded): "
+                        "not checked", path)
+            return
+        saved = json.loads((path / INPUTS).read_text())
+        if saved["tokenizer_sha256"] != self.tokenizer_sha256:
+            raise UsageError(f"cannot resume from {path}: data.tokenizer changed ({self.tokenizer} has sha256 "
+                             f"{self.tokenizer_sha256[:12]}..., the run's has {saved['tokenizer_sha256'][:12]}...; "
+                             f"a copy of it is {path / TOKENIZER}); use the run's tokenizer or start a new run.dir")
+        then, now = [tuple(s) for s in saved["train_shards"]], list(self.shards)
+        if now and then != now:
+            raise UsageError(f"cannot resume from {path}: data.train changed ({_shard_change(then, now)}); the saved "
+                             "data position would apply to other text: restore data.train or start a new run.dir")
+
+
+def _shard_change(then: list[tuple], now: list[tuple]) -> str:
+    """The difference of two shard lists in a few words: what went, what came, what changed size, else the order."""
+    sizes_then, sizes_now = dict(then), dict(now)
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = [f"{len(then)} shards in the checkpoint, {len(now)} now"]
+    if gone := [n for n, _ in then if n not in sizes_now]:
+        parts.append(f"not listed now: {few(gone)}")
+    if new := [n for n, _ in now if n not in sizes_then]:
+        parts.append(f"new: {few(new)}")
+    if resized := [n for n, size in now if n in sizes_then and sizes_then[n] != size]:
+        parts.append(f"another size: {few(resized)}")
+    if len(parts) == 1:
+        parts.append("the same shards in another order")
+    return "; ".join(parts)
 
 
 def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def prepare_resume(path: Path, model_cfg: ModelConfig, dims: ParallelDims, timeout_s: float) -> ResumePlan:
+def usable_universal(universal: Path, rank: int = 0, world: int = 1) -> bool:
+    """Whether a finished, intact universal conversion is there (collective when `world` > 1)."""
+    return not missing_parts(universal) and not damaged_parts(universal, rank, world)
+
+
+def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims,
+                   timeout_s: float) -> ResumePlan:
     """Validate the checkpoint against this run; on another layout, convert it to a universal one (rank 0) when
     that finishes well inside the process-group timeout (the other ranks wait at a barrier), else refuse."""
     state = json.loads((path / "trainer_state.json").read_text())
     saved_model = yaml.safe_load((path / "config.yaml").read_text())["model"]
     check_same_model(saved_model, model_cfg, path)
+    inputs.check_resume(path)
     if (state["tp"], state["dp"]) == (dims.tp, dims.dp):
         return ResumePlan(path, state, path.parent, path.name, universal=False)
     universal = path.parent / (path.name + UNIVERSAL_SUFFIX)
-    if not (universal / "zero").is_dir():
+    if not usable_universal(universal, dims.rank, dims.world):
         seconds = _bytes(path) / CONVERT_BYTES_PER_S
         if seconds > timeout_s / 4:
             raise UsageError(
@@ -198,7 +231,8 @@ def prepare_resume(path: Path, model_cfg: ModelConfig, dims: ParallelDims, timeo
 
 
 def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
-    """DeepSpeed's ds_to_universal (the same as `python -m deepspeed.checkpoint.ds_to_universal`)."""
+    """DeepSpeed's ds_to_universal (the same as `python -m deepspeed.checkpoint.ds_to_universal`); the output gets
+    its own complete.json, so a damaged conversion is made again rather than loaded."""
     # imported where used: only a layout change needs the converter (~0.6 s of imports per process)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
@@ -209,6 +243,7 @@ def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
         input_folder=str(path), output_folder=str(tmp), num_extract_workers=workers, num_merge_workers=workers,
         keep_temp_folder=False, strict=True, inject_missing_state=False,
     ))
+    write_marker(tmp, describe(tmp, sorted(p for p in tmp.rglob("*") if p.is_file())))
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)  # a half-converted folder is never mistaken for a finished one
 
@@ -216,25 +251,6 @@ def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: readers see the old or the new text, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    _fsync(path.parent)
-
-
 def _save_torch(obj: Any, path: Path) -> None:
     with path.open("wb") as f:
         torch.save(obj, f)
@@ -256,13 +272,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@contextlib.contextmanager
+def _noting_writes(engine, written: list[Path]) -> Iterator[None]:
+    """Note the paths DeepSpeed saves to: it writes every state file through `engine.checkpoint_engine.save`."""
+    checkpoint_engine = engine.checkpoint_engine
+    save = checkpoint_engine.save
+
+    def save_and_note(state_dict, path) -> None:
+        save(state_dict, path)
+        written.append(Path(path))
+
+    checkpoint_engine.save = save_and_note
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
+
+
 class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly; every rank calls `save` and `load`."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, dims: ParallelDims, *, engine, progress: Progress,
-                 data: Stateful | None, config_yaml: str, universal_info: dict) -> None:
+                 data: Stateful | None, inputs: RunInputs, config_yaml: str, universal_info: dict) -> None:
         self.cfg, self.root, self.dims = cfg, root, dims
-        self.engine, self.progress, self.data = engine, progress, data
+        self.engine, self.progress, self.data, self.inputs = engine, progress, data, inputs
         self.config_yaml, self.universal_info = config_yaml, universal_info
 
     def maybe_save(self, step: int, *, last: bool, preempted: bool) -> bool:
@@ -281,40 +314,55 @@ class CheckpointManager:
             shutil.rmtree(self.root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
         dist.barrier()
         try:
-            self._write(path)
+            # checksummed by the rank that wrote them, while they are in its page cache: every rank in parallel
+            mine = describe(path, self._write(path))
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointWriteError(f"rank {self.dims.rank}: writing {path} failed ({first}); is the disk full or "
                                        "over quota? `latest` still names the previous complete checkpoint") from e
-        dist.barrier()  # every rank's files are written and closed
+        # rank 0 gets every rank's list only once every rank's files are written and closed
+        lists: list[dict] | None = [{} for _ in range(self.dims.world)] if self.dims.rank == 0 else None
+        dist.gather_object(mine, lists, dst=0)
         if self.dims.rank == 0:
-            self._commit(path)
+            self._commit(path, {name: entry for found in lists for name, entry in found.items()})
         dist.barrier()
         log.info("checkpoint %s saved", path)
         return path
 
-    def _write(self, path: Path) -> None:
+    def _write(self, path: Path) -> list[Path]:
         """This rank's files of the checkpoint: DeepSpeed's shards, the data position, the generators, and (rank 0)
-        the trainer state and config."""
-        self.engine.save_checkpoint(str(self.root), tag=path.name,
-                                    client_state={"universal_checkpoint_info": self.universal_info}, save_latest=False)
+        the trainer state, config, inputs and the tokenizer; returns their paths."""
+        written: list[Path] = []
+        with _noting_writes(self.engine, written):
+            self.engine.save_checkpoint(str(self.root), tag=path.name, save_latest=False,
+                                        client_state={"universal_checkpoint_info": self.universal_info})
+        ours = [path / f"rng_rank{self.dims.rank}.pt"]
+        _save_torch(_rng_state(), ours[0])
         if self.data is not None and self.dims.tp_rank == 0:
-            _save_torch(self.data.state_dict(), path / f"data_dp{self.dims.dp_rank}.pt")
-        _save_torch(_rng_state(), path / f"rng_rank{self.dims.rank}.pt")
+            ours.append(path / f"data_dp{self.dims.dp_rank}.pt")
+            _save_torch(self.data.state_dict(), ours[-1])
         if self.dims.rank == 0:
             state = {**self.progress.state_dict(), "tp": self.dims.tp, "dp": self.dims.dp}
             write_atomic(path / "trainer_state.json", json.dumps(state, indent=1))
             write_atomic(path / "config.yaml", self.config_yaml)
+            write_atomic(path / INPUTS, json.dumps(self.inputs.record(), indent=1))
+            shutil.copyfile(self.inputs.tokenizer, path / TOKENIZER)  # fsync'd by the commit
+            ours += [path / name for name in ("trainer_state.json", "config.yaml", INPUTS, TOKENIZER)]
+        return [f for f in written if f.parent == path] + ours
 
-    def _commit(self, path: Path) -> None:
-        """Rank 0, after every rank wrote its files: fsync them, mark the folder complete, move `latest`, prune."""
-        files = {}
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            _fsync(file)  # DeepSpeed's files are closed but maybe not yet on disk
-            files[str(file.relative_to(path))] = file.stat().st_size
-        for folder in {f.parent for f in path.rglob("*") if f.is_file()} | {path}:
-            _fsync(folder)
-        write_atomic(path / COMPLETE, json.dumps({"files": files}, indent=1))
+    def _commit(self, path: Path, listed: dict[str, dict]) -> None:
+        """Rank 0, after every rank wrote and listed its files: fsync them, mark the folder complete with every
+        file's size and checksum, move `latest`, prune."""
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        for file in files:
+            fsync_path(file)  # DeepSpeed's files are closed but maybe not yet on disk
+        for folder in {f.parent for f in files} | {path}:
+            fsync_path(folder)
+        # DeepSpeed also copies its recovery scripts (rank 0, outside its checkpoint engine): checksummed here
+        unlisted = [f for f in files if str(f.relative_to(path)) not in listed]
+        write_marker(path, dict(sorted({**listed, **describe(path, unlisted)}.items())))
+        if (self.root / LATEST).is_dir() and not (self.root / LATEST).is_symlink():
+            shutil.rmtree(self.root / LATEST)  # not ours: `latest` is a file, and only a file can replace it
         write_atomic(self.root / LATEST, path.name + "\n")
         self._prune(newest=path.name)
 
@@ -323,8 +371,8 @@ class CheckpointManager:
         complete = complete_steps(self.root)
         keep = {tag_for(s) for s in complete[-max(self.cfg.keep, 1):]} | {newest}
         for p in self.root.iterdir():
-            m = _TAG.match(p.name)
-            if m and p.name not in keep and (int(m.group(1)) in complete or int(m.group(1)) < complete[-1]):
+            step = step_of(p.name)
+            if step is not None and p.name not in keep and (step in complete or step < complete[-1]):
                 shutil.rmtree(p, ignore_errors=True)
                 shutil.rmtree(self.root / (p.name + UNIVERSAL_SUFFIX), ignore_errors=True)
 

@@ -114,7 +114,7 @@ class DataConfig:
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints (0: only at the end)
     keep: int = 3  # newest checkpoints kept
-    resume: str = "auto"  # auto (from run.dir's latest), none, or a checkpoint path
+    resume: str = "auto"  # without checkpoints of its own: auto (fresh), a checkpoint path, none (refused if any)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
     python -m pretrain.export --run RUN_DIR --output OUT [--step N] [--dtype fp32|bf16] [--max-shard-size 5GB]
 
-Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one is refused) in
+Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one, or a damaged one whose
+files do not match their crc32 in complete.json, is refused naming the file) in
 DeepSpeed's sharded layout at any TP, any ZeRO stage and any number of ranks. Each TP rank's fp32 weights are
 rebuilt from its ZeRO shards by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (run on a view holding
 only that TP rank's files, since the tool itself knows no TP), then the TP shards are concatenated as megatron's
@@ -12,8 +13,10 @@ attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every fi
 Output (written to OUT.tmp, renamed to OUT only when complete): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
-mixture weights, the source checkpoint); `generation_config.json`; `README.md` (the model card); `spiece.model`,
-`tokenizer.json` and `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
+mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `read_export`
+checks); `generation_config.json`; `README.md` (the model card); `spiece.model` (the tokenizer the model was
+trained with: the checkpoint's copy, checked against the sha256 in its inputs.json), `tokenizer.json` and
+`tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
 HF T5 (model_type "t5"). A Synthesizer model is model_type "synthesizer_t5" with `auto_map` and the remote code
 of `pretrain/model/hf_synthesizer/` copied in, so `AutoModelForSeq2SeqLM.from_pretrained(OUT,
 trust_remote_code=True)` runs it (and without trust_remote_code transformers refuses it); its extra parameters
@@ -42,9 +45,10 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
-from pretrain.checkpoint import check_complete, complete_steps, tag_for
+from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
+from pretrain.manifest import check_intact, complete_steps, describe, mismatched, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
@@ -76,7 +80,7 @@ class CheckpointError(UsageError):
 # --------------------------------------------------------------------------------------------------------
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """step_N, or the newest complete checkpoint; an incomplete one (no completion marker, a file missing or
-    cut) is refused, naming what is missing."""
+    cut) or a damaged one (a file whose checksum does not match) is refused, naming the file."""
     root = run_dir / "checkpoints"
     complete = complete_steps(root)
     if step is None:
@@ -88,7 +92,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         available = ", ".join(tag_for(s) for s in complete) or "none"
         raise CheckpointError(f"checkpoint {path} not found; complete ones: {available}")
     try:
-        check_complete(path)
+        check_intact(path)
     except UsageError as e:
         raise CheckpointError(str(e)) from None
     return path
@@ -313,11 +317,14 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
         }
     else:
         config.architectures = ["T5ForConditionalGeneration"]
-    config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {}}
+    write_tokenizer(spiece, tmp)
+    # sizes and crc32 of the weights and the tokenizer, checked by read_export (fine-tuning, evaluation)
+    files = describe(tmp, [*_weight_files(tmp), tmp / SPIECE])
+    config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {},
+                          "files": files}
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(str(tmp))
     GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp))
-    write_tokenizer(spiece, tmp)
     num_params = sum(p.numel() for p in model.parameters())  # TP = 1: the full model
     (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output.name))
     tmp.rename(output)
@@ -357,9 +364,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     ckpt = find_checkpoint(run_dir, step)
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg = ModelConfig(**saved["model"])
-    spiece = Path(saved["data"]["tokenizer"])
-    if not spiece.is_file():
-        raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
+    spiece = _trained_tokenizer(ckpt, Path(saved["data"]["tokenizer"]))
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
     model = _tp1_model(cfg, lambda meta: read_checkpoint(ckpt, meta, trainer["tp"]))
@@ -373,6 +378,21 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
                         max_shard_size)
 
 
+def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
+    """The tokenizer the model was trained with: the checkpoint's own copy, or (a checkpoint without one)
+    data.tokenizer of its config; refused when its sha256 is not the one in inputs.json."""
+    spiece = ckpt / TOKENIZER if (ckpt / TOKENIZER).is_file() else configured
+    if not spiece.is_file():
+        raise UsageError(f"the run's tokenizer {spiece} (data.tokenizer in {ckpt / 'config.yaml'}) is missing")
+    recorded = json.loads((ckpt / INPUTS).read_text())["tokenizer_sha256"] if (ckpt / INPUTS).is_file() else None
+    if recorded is None:
+        log.warning("%s records no tokenizer hash: shipping %s unchecked", ckpt, spiece)
+    elif sha256_of(spiece) != recorded:
+        raise UsageError(f"{spiece} is not the tokenizer the model was trained with (sha256 {recorded[:12]}... in "
+                         f"{ckpt / INPUTS}); it was replaced since")
+    return spiece
+
+
 def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(model config, full fp32 state dict in our names) of an export folder, sharded or not."""
     folder = Path(folder)
@@ -383,7 +403,12 @@ def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     if "synthesizer" not in config:
         raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
     cfg = ModelConfig(**config["synthesizer"]["model"])
-    hf = {k: v.float() for f in _weight_files(folder) for k, v in load_file(str(f)).items()}
+    files = _weight_files(folder)
+    if "files" not in config["synthesizer"]:
+        log.warning("%s lists no checksums (exported before they were recorded): its files are not checked", folder)
+    elif damaged := mismatched(folder, config["synthesizer"]["files"]):
+        raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
+    hf = {k: v.float() for f in files for k, v in load_file(str(f)).items()}
     return cfg, from_export_state_dict(hf, cfg)
 
 

@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import yaml
 
-from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepare_resume
+from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
 from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
                              UsageError, ZeroConfig, parse_args, save_config, to_yaml)
 from pretrain.engine import build_engine, num_accumulation_steps
@@ -209,8 +209,9 @@ def finetune(cfg: FinetuneConfig) -> int:
 
         # 2. Model at this job's TP from the full weights, optionally with frozen mixture weights, and the engine
         root = run_dir / "checkpoints"
-        resume = find_resume(cfg.checkpoint, root)
-        plan = prepare_resume(resume, model_cfg, dims, cfg.parallel.timeout_s) if resume else None
+        inputs = RunInputs.of(spiece)
+        resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
+        plan = prepare_resume(resume, model_cfg, inputs, dims, cfg.parallel.timeout_s) if resume else None
         model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
                                   cfg.train.compile, dims.device)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
@@ -226,7 +227,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         progress = Progress()
         config_yaml = to_yaml(cfg) + yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False)
         checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=stream,
-                                        config_yaml=config_yaml,
+                                        inputs=inputs, config_yaml=config_yaml,
                                         universal_info=universal_checkpoint_info(model, model_cfg.vocab_size))
         if plan:
             checkpoints.load(plan)

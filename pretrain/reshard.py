@@ -4,8 +4,8 @@ wait at a barrier limited by parallel.timeout_s):
 
     python -m pretrain.reshard --run RUN [--workers K]     # or: sbatch slurm/reshard.sbatch --run RUN
 
-RUN is the run folder (run.dir); the checkpoint is the one the trainer would resume from (`latest`, else the
-newest complete one), written next to it as `step_N_universal/`, which the trainer finds and loads. K worker
+RUN is the run folder (run.dir); the checkpoint is the one the trainer would resume from (the newest complete
+one whose checksums match), written next to it as `step_N_universal/`, which the trainer finds and loads. K worker
 processes extract and merge the ZeRO fragments (default: the CPUs this process may use). Exit 0 when the
 universal checkpoint exists (also when it already did), 2 on a usage error (no run, no checkpoint).
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume
+from pretrain.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume, usable_universal
 from pretrain.config import CheckpointConfig, UsageError
 from pretrain.progress import progress
 
@@ -35,7 +35,7 @@ def reshard(run: Path, workers: int) -> Path:
     if path is None:
         raise UsageError(f"no complete checkpoint in {root}")
     output = path.parent / (path.name + UNIVERSAL_SUFFIX)
-    if (output / "zero").is_dir():
+    if usable_universal(output):
         log.info("%s exists already", output)
         return output
     start = time.perf_counter()

@@ -19,9 +19,10 @@ import yaml
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.checkpoint import CheckpointManager, Progress, find_resume, prepare_resume
+from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
 from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
+from pretrain.data.shards import expand_shards
 from pretrain.engine import build_engine
 from pretrain.faults import run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging
@@ -77,10 +78,12 @@ def train(cfg: Config) -> int:
     run_dir = Path(cfg.run.dir)
     lock = acquire_run_lock(run_dir, dims)
     try:
-        # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one ----
+        # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
+        #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs --------
         root = run_dir / "checkpoints"
-        resume = find_resume(cfg.checkpoint, root)
-        plan = prepare_resume(resume, cfg.model, dims, cfg.parallel.timeout_s) if resume else None
+        inputs = RunInputs.of(cfg.data.tokenizer, expand_shards(cfg.data.train))  # the shards as the stream reads them
+        resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
+        plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s) if resume else None
 
         # 4. Model (this rank's TP shard, identical full init on every rank, built on its device) and the engine
         model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
@@ -101,7 +104,7 @@ def train(cfg: Config) -> int:
         progress = Progress()
         # a reshard keeps the token rows and pads them anew for the new TP (padding rows are masked, see t5.py)
         checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=loader,
-                                        config_yaml=to_yaml(cfg),
+                                        inputs=inputs, config_yaml=to_yaml(cfg),
                                         universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))
         if plan:
             checkpoints.load(plan)

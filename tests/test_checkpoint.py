@@ -1,20 +1,25 @@
-"""The run folder without processes: which checkpoint a run resumes from, what counts as complete, pruning, the
-refusal of a changed model, a cut metrics.jsonl and the run lock. Saving, loading and resharding real
-checkpoints run in tests/test_train.py and tests/test_faults.py."""
+"""The run folder: which checkpoint a run resumes from (a lost `latest`, damaged content, `checkpoint.resume`),
+what counts as complete and intact, pruning, the refusal of a changed model, tokenizer or shard list, a cut
+metrics.jsonl and the run lock; and a real save and resume of a tiny DeepSpeed engine in one process (the marker
+lists every file, and is written after them). Training runs that save, load and reshard are in
+tests/test_train.py and tests/test_faults.py."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint import (COMPLETE, CheckpointManager, Progress, check_same_model, complete_steps,
-                                 find_resume, missing_parts)
+from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, check_same_model, find_resume
 from pretrain.config import CheckpointConfig, ModelConfig, UsageError
+from pretrain.manifest import COMPLETE, complete_steps, describe, missing_parts, write_marker
 from pretrain.metrics import MetricsLogger
 from pretrain.run_lock import RunLock
+from tests.distributed import run_distributed
 
 
 def _checkpoint(root, step: int, complete: bool = True):
@@ -24,8 +29,7 @@ def _checkpoint(root, step: int, complete: bool = True):
     (path / "trainer_state.json").write_text(json.dumps({"step": step}))
     (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
     if complete:
-        files = {p.name: p.stat().st_size for p in path.iterdir()}
-        (path / COMPLETE).write_text(json.dumps({"files": files}))
+        write_marker(path, describe(path, sorted(path.iterdir())))
     return path
 
 
@@ -39,7 +43,19 @@ def test_resume_prefers_the_runs_own_latest_over_checkpoint_resume(tmp_path):
     # a requeued job with the same command line continues from its own checkpoint
     assert find_resume(CheckpointConfig(resume=str(elsewhere)), root) == root / "step_24"
     assert find_resume(CheckpointConfig(resume="auto"), root) == root / "step_24"
+    (root / "latest").unlink()  # `latest` is a hint: the run's own checkpoints win without it too
+    assert find_resume(CheckpointConfig(resume=str(elsewhere)), root) == root / "step_24"
+
+
+def test_resume_none_is_refused_where_the_run_dir_holds_checkpoints(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    _checkpoint(root, 8, complete=False)  # a first save that died: nothing to continue, a fresh start is fine
     assert find_resume(CheckpointConfig(resume="none"), root) is None
+    _checkpoint(root, 30)
+    _checkpoint(root, 40)
+    with pytest.raises(UsageError, match=rf"checkpoint.resume=none, but {tmp_path / 'run'} holds checkpoints of a run "
+                                         r"\(step_30, step_40\); a fresh run goes in a fresh run.dir"):
+        find_resume(CheckpointConfig(resume="none"), root)
 
 
 def test_incomplete_checkpoints_are_refused_naming_what_is_missing(tmp_path):
@@ -62,12 +78,96 @@ def test_a_dangling_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path
     root = tmp_path / "checkpoints"
     (root).mkdir()
     (root / "latest").write_text("step_30\n")
-    with pytest.raises(UsageError, match=r"latest names step_30, which is missing or incomplete, and no other"):
+    with pytest.raises(UsageError, match=r"latest names step_30, but no complete intact checkpoint is in"):
         find_resume(CheckpointConfig(), root)
     _checkpoint(root, 10)
     _checkpoint(root, 20)
     _checkpoint(root, 30, complete=False)
     assert find_resume(CheckpointConfig(), root) == root / "step_20"
+
+
+@pytest.mark.parametrize("latest", ["deleted", "a folder", "not UTF-8", "older"])
+def test_a_lost_latest_resumes_from_the_newest_complete_intact_checkpoint(tmp_path, caplog, latest):
+    root = tmp_path / "checkpoints"
+    for step in (30, 40):
+        _checkpoint(root, step)
+    _checkpoint(root, 50, complete=False)
+    if latest == "a folder":
+        (root / "latest").mkdir()
+    elif latest == "not UTF-8":
+        (root / "latest").write_bytes(b"step_\xff\xfe40")
+    elif latest == "older":
+        (root / "latest").write_text("step_30\n")
+    assert find_resume(CheckpointConfig(), root) == root / "step_40"
+    said = {"deleted": "is missing", "a folder": "is unreadable (IsADirectoryError)",
+            "not UTF-8": "is unreadable (UnicodeDecodeError)", "older": "names step_30"}[latest]
+    assert f"latest {said}: resuming from step_40, the newest complete intact checkpoint" in caplog.text
+
+
+def _overwrite_middle(file, count: int = 1000) -> None:
+    """`count` float32 values of 1e4 in the middle of `file`: the same size, other content."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 4 * count] = (b"\x00\x40\x1c\x46" * count)[: len(data) - middle]
+    file.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_it_used(tmp_path, caplog):
+    root = tmp_path / "run" / "checkpoints"
+    for step in (20, 30, 40):
+        _checkpoint(root, step)
+    (root / "latest").write_text("step_40\n")
+    _overwrite_middle(root / "step_40" / "mp_rank_00_model_states.pt", count=10)
+    (root / "step_30" / "trainer_state.json").write_text('{"step": 99}')  # a damaged header, the same size
+    assert missing_parts(root / "step_40") == [] and complete_steps(root) == [20, 30, 40]  # sizes cannot tell
+    assert find_resume(CheckpointConfig(), root) == root / "step_20"
+    assert (f"checkpoint {root / 'step_40'} (step 40) is damaged: mp_rank_00_model_states.pt (checksum mismatch)"
+            in caplog.text)
+    assert "(step 30) is damaged: trainer_state.json (checksum mismatch)" in caplog.text
+    # moved aside: never chosen, pruned or exported again, kept for a look
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_20", "step_30.damaged", "step_40.damaged"]
+    # a damaged checkpoint the user names is refused, naming the file
+    with pytest.raises(UsageError, match=r"step_40.damaged is damaged: mp_rank_00_model_states.pt \(checksum"):
+        find_resume(CheckpointConfig(resume=str(root / "step_40.damaged")), tmp_path / "fresh")
+    # every complete checkpoint damaged: refused rather than a restart from step 0
+    _overwrite_middle(root / "step_20" / "mp_rank_00_model_states.pt", count=10)
+    with pytest.raises(UsageError, match=r"latest names step_40, but no complete intact checkpoint is in .*"
+                                         r"the run cannot continue"):
+        find_resume(CheckpointConfig(), root)
+
+
+def test_a_marker_without_checksums_is_accepted_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    path = _checkpoint(root, 10, complete=False)
+    (path / COMPLETE).write_text(json.dumps({"files": {p.name: p.stat().st_size for p in path.iterdir()}}))
+    assert find_resume(CheckpointConfig(), root) == path
+    assert "lists no checksums (written before they were recorded): its content is not checked" in caplog.text
+
+
+def test_another_tokenizer_or_shard_list_is_refused_naming_the_change(tmp_path, tokenizer_model):
+    shards = []
+    for i in range(4):
+        shards.append(tmp_path / "shards" / f"shard-{i:06d}.tar")
+        shards[-1].parent.mkdir(exist_ok=True)
+        shards[-1].write_bytes(b"x" * (100 + i))
+    inputs = RunInputs.of(tokenizer_model, [str(s) for s in shards])
+    path = _checkpoint(tmp_path / "checkpoints", 8, complete=False)
+    (path / "inputs.json").write_text(json.dumps(inputs.record()))
+    inputs.check_resume(path)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "shards", moved)  # the same shards in another folder are the same data
+    RunInputs.of(tokenizer_model, sorted(str(s) for s in moved.iterdir())).check_resume(path)
+    with pytest.raises(UsageError, match=r"data.train changed \(4 shards in the checkpoint, 2 now; not listed now: "
+                                         r"shard-000002.tar, shard-000003.tar\); the saved data position"):
+        RunInputs.of(tokenizer_model, [str(s) for s in shards[:2]]).check_resume(path)
+    shards[1].write_bytes(b"y" * 7)
+    with pytest.raises(UsageError, match=r"another size: shard-000001.tar"):
+        RunInputs.of(tokenizer_model, [str(s) for s in shards]).check_resume(path)
+    other = tmp_path / "other.model"
+    other.write_bytes(Path(tokenizer_model).read_bytes() + b"\0")
+    with pytest.raises(UsageError, match=rf"data.tokenizer changed \({other} has sha256 .*; a copy of it is "
+                                         rf"{path / 'spiece.model'}\)"):
+        RunInputs.of(other, [str(s) for s in shards]).check_resume(path)
 
 
 def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_path):
@@ -77,11 +177,11 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_p
     _checkpoint(root, 6, complete=False)  # a save that died, older than the newest complete one
     (root / "step_4_universal").mkdir()
     manager = CheckpointManager(CheckpointConfig(keep=2), root, dims=None, engine=None, progress=Progress(),
-                                data=None, config_yaml="", universal_info={})
+                                data=None, inputs=None, config_yaml="", universal_info={})
     manager._prune(newest="step_12")
     assert sorted(p.name for p in root.iterdir()) == ["step_12", "step_8"]
     manager = CheckpointManager(CheckpointConfig(keep=0), root, dims=None, engine=None, progress=Progress(),
-                                data=None, config_yaml="", universal_info={})
+                                data=None, inputs=None, config_yaml="", universal_info={})
     manager._prune(newest="step_12")
     assert [p.name for p in root.iterdir()] == ["step_12"]  # never the newest complete one
 
@@ -110,6 +210,7 @@ _HOLD = """
 import sys, time
 from pathlib import Path
 from pretrain.run_lock import RunLock
+from tests.distributed import run_distributed
 RunLock(Path(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(3600)
@@ -148,4 +249,69 @@ def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_pat
     dims = ParallelDims(world=4, rank=0, local_rank=0, tp=2, dp=2, tp_rank=0, dp_rank=0, device=None)
     with pytest.raises(UsageError, match=r"at TP 2 x DP 2 needs a universal checkpoint, about 10 s of conversion.*"
                                          r"python -m pretrain.reshard --run .*run"):
-        prepare_resume(path, ModelConfig(), dims, timeout_s=20)
+        prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=20)
+
+
+def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dict:
+    """A tiny real DeepSpeed engine (ZeRO 1, one process): steps 1 and 2, each saved by CheckpointManager.save;
+    then the middle of step 2's optimizer shard is overwritten and the run resumes on its own; then step 1's
+    header is overwritten too. Returns what the test checks: the marker and mtimes of step 2 as saved, the step
+    the resume restored, and the refusal once no checkpoint is intact."""
+    import torch
+
+    from pretrain.checkpoint import prepare_resume
+    from pretrain.config import Config, ParallelConfig, load_config, to_yaml
+    from pretrain.engine import build_engine
+    from pretrain.model import build_model, universal_checkpoint_info
+    from pretrain.parallel import init_distributed
+
+    cfg = load_config(Config, "configs/tiny.yaml")
+    dims = init_distributed(ParallelConfig(), seed=3)
+    model = build_model(cfg.model)
+    engine = build_engine(model, dataclasses.replace(cfg.train, micro_batch=2, global_batch=2), cfg.zero, "fp32", 1)
+    progress, inputs = Progress(), RunInputs.of(tokenizer)
+    manager = CheckpointManager(cfg.checkpoint, Path(root), dims, engine=engine, progress=progress, data=None,
+                                inputs=inputs, config_yaml=to_yaml(cfg),
+                                universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))
+    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step in (1, 2):
+        engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
+                               labels=ids[:, 1:7]).loss)
+        engine.step()
+        progress.step = step
+        path = manager.save(step)
+    saved = {"marker": json.loads((path / COMPLETE).read_text())["files"],
+             "mtimes": {str(p.relative_to(root)): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}}
+    _overwrite_middle(next(path.glob("*optim_states.pt")))
+    plan = prepare_resume(find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world), cfg.model, inputs, dims, 60)
+    manager.load(plan)
+    # a damaged header of step 1's model states too: no intact checkpoint is left, one line instead of an
+    # UnpicklingError on every requeue
+    model_states = Path(root) / "step_1" / "mp_rank_00_model_states.pt"
+    with model_states.open("r+b") as f:
+        f.write(b"\0" * 64)
+    refusal = ""
+    try:
+        find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world)
+    except UsageError as e:
+        refusal = str(e)
+    return {**saved, "resumed_step": progress.step, "refusal": refusal}
+
+
+def test_a_real_save_lists_every_file_after_writing_it_and_a_damaged_one_is_skipped(tmp_path, tokenizer_model):
+    root = tmp_path / "checkpoints"
+    result = run_distributed(_save_damage_resume, 1, str(root), tokenizer_model)[0]
+    # the marker lists every file of the folder (DeepSpeed's, ours, the tokenizer copy) with its size and crc32
+    step2 = {name.removeprefix("step_2/"): t for name, t in result["mtimes"].items() if name.startswith("step_2/")}
+    assert set(result["marker"]) == set(step2) - {COMPLETE}
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank0.pt",
+            "trainer_state.json", "config.yaml", "inputs.json", "spiece.model"} <= set(result["marker"])
+    assert (root / "step_2.damaged" / "spiece.model").read_bytes() == Path(tokenizer_model).read_bytes()
+    # ...and it was written after all of them, and `latest` after it
+    assert max(t for name, t in step2.items() if name != COMPLETE) <= step2[COMPLETE] <= result["mtimes"]["latest"]
+    # the damaged step 2 was set aside and the run continued from step 1
+    assert result["resumed_step"] == 1
+    assert result["refusal"] == (f"{root / 'latest'} names step_2, but no complete intact checkpoint is in {root} "
+                                 "(a missing, incomplete or damaged one is never resumed); the run cannot continue: "
+                                 "start a new run.dir")
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1.damaged", "step_2.damaged"]

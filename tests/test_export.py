@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForSeq2SeqLM
 
 from pretrain.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
 from pretrain.export import CheckpointError, export, load_pretrained, write_export
+from pretrain.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from tests.distributed import run_distributed
+from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters
 from tokenizer.spm import Tokenizer
 
@@ -25,7 +28,7 @@ TINY = load_config(Config, "configs/tiny.yaml")
 
 def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precision):
     """One real optimizer step through the DeepSpeed engine, then a checkpoint; returns the gathered weights."""
-    from pretrain.checkpoint import CheckpointManager, Progress
+    from pretrain.checkpoint import CheckpointManager, Progress, RunInputs
     from pretrain.engine import build_engine
     from pretrain.model import build_model, universal_checkpoint_info
     from pretrain.parallel import init_distributed
@@ -40,7 +43,8 @@ def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precis
     engine.backward(loss)
     engine.step()
     CheckpointManager(TINY.checkpoint, Path(run_dir) / "checkpoints", dims, engine=engine,
-                      progress=Progress(step=1, tokens_seen=2 * 18 * dims.dp), data=None, config_yaml=cfg_yaml,
+                      progress=Progress(step=1, tokens_seen=2 * 18 * dims.dp), data=None,
+                      inputs=RunInputs.of(yaml.safe_load(cfg_yaml)["data"]["tokenizer"]), config_yaml=cfg_yaml,
                       universal_info=universal_checkpoint_info(model, 1100)).save(1)
     import deepspeed
 
@@ -101,6 +105,8 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
     run_dir, model_cfg, full, precision = saved_run
     tp = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["tp"]
     out = export(run_dir, tmp_path / "export", max_shard_size="200KB")
+    # the tokenizer the model was trained with: the checkpoint's copy
+    assert (out / "spiece.model").read_bytes() == (run_dir / "checkpoints" / "step_1" / "spiece.model").read_bytes()
     # sharded as HF's save_pretrained shards: numbered files plus the index naming every tensor's file
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
@@ -137,7 +143,7 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
 def _with_size_listed(ckpt: Path, file: Path) -> None:
     """Update complete.json after rewriting `file`, as a save that wrote these very bytes would have."""
     marker = json.loads((ckpt / "complete.json").read_text())
-    marker["files"][file.name] = file.stat().st_size
+    marker["files"].update(describe(ckpt, [file]))
     (ckpt / "complete.json").write_text(json.dumps(marker))
 
 
@@ -185,6 +191,13 @@ def test_incomplete_damaged_or_code_carrying_checkpoints_are_refused(tmp_path, s
     refused(rf"step_1 is incomplete: {optim.name} \({len(saved) // 2} of {len(saved)} bytes\)")
     refused(r"has no complete checkpoint", step=None)  # `latest` alone is not taken on trust
     optim.write_bytes(saved[:100] + bytes(len(saved) - 100))  # the right size, overwritten
+    refused(rf"checkpoint .*step_1 is damaged: {optim.name} \(checksum mismatch\)")
+    rank0 = sorted(ckpt.glob("*optim_states.pt"))[0]
+    _overwrite_middle(rank0)  # 1000 floats of 1e4 in the middle of rank 0's optimizer shard, the size unchanged
+    refused(rf"step_1 is damaged: {rank0.name} \(checksum mismatch\), {optim.name} \(checksum mismatch\)")
+    optim.write_bytes(saved[:100] + bytes(len(saved) - 100))
+    _with_size_listed(ckpt, optim)  # a damage the checksums cannot see: the unpickler names the file
+    _with_size_listed(ckpt, rank0)
     refused(rf"{optim.name} is damaged")
     marker = tmp_path / "code-ran"
     torch.save({"optimizer_state_dict": _RunsCode(marker)}, optim)
@@ -197,6 +210,26 @@ def test_incomplete_damaged_or_code_carrying_checkpoints_are_refused(tmp_path, s
     _with_size_listed(ckpt, optim)
     (ckpt / "complete.json").unlink()
     refused(r"step_1 is incomplete: complete.json")
+
+
+def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, saved_run, tokenizer_model):
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run[0], run_dir)
+    ckpt = run_dir / "checkpoints" / "step_1"
+    assert (ckpt / "spiece.model").read_bytes() == Path(tokenizer_model).read_bytes()  # the checkpoint's copy
+    # a checkpoint without its own copy (an older one) takes data.tokenizer, if it is the one recorded
+    (ckpt / "spiece.model").unlink()
+    marker = json.loads((ckpt / "complete.json").read_text())
+    del marker["files"]["spiece.model"]
+    (ckpt / "complete.json").write_text(json.dumps(marker))
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    other = tmp_path / "other.model"
+    other.write_bytes(Path(tokenizer_model).read_bytes() + b"\0")  # another tokenizer at data.tokenizer's path
+    config["data"]["tokenizer"] = str(other)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    _with_size_listed(ckpt, ckpt / "config.yaml")
+    with pytest.raises(UsageError, match=rf"{other} is not the tokenizer the model was trained with \(sha256 "):
+        export(run_dir, tmp_path / "export")
 
 
 def test_vanilla_export_is_plain_huggingface_t5(tmp_path, tokenizer_model):
@@ -259,6 +292,12 @@ def test_pure_synthesizer_layers_round_trip(tmp_path, tokenizer_model):
         assert torch.equal(full_state_dict(loaded)[k], v.to(torch.bfloat16).float()), k
     with pytest.raises(ValueError, match="already exists"):
         write_export(ours, Path(tokenizer_model), out)
+    # what fine-tuning and evaluation read is checked against the crc32s in config.json
+    weights = (out / "model.safetensors").read_bytes()
+    _overwrite_middle(out / "model.safetensors")
+    with pytest.raises(UsageError, match=rf"export {out} is damaged: model.safetensors \(checksum mismatch\); export"):
+        load_pretrained(out)
+    (out / "model.safetensors").write_bytes(weights)
     (out / "spiece.model").unlink()
     with pytest.raises(ValueError, match="spiece.model is missing"):
         load_pretrained(out)
