@@ -61,7 +61,10 @@ class CheckpointWriteError(RuntimeError):
     """A save that could not write its files (disk full, quota, I/O error); the run stops, nothing is lost."""
 
 
-class Stateful(Protocol):
+class DataStateful(Protocol):
+    """A data stream: `state_dict()` is this DP rank's part; `load_state_dict({"ranks": [...]})` gets the parts of
+    every DP rank of the saving run, so it can continue on another DP size."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -293,7 +296,7 @@ class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly; every rank calls `save` and `load`."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, dims: ParallelDims, *, engine, progress: Progress,
-                 data: Stateful | None, inputs: RunInputs, config_yaml: str, universal_info: dict) -> None:
+                 data: DataStateful | None, inputs: RunInputs, config_yaml: str, universal_info: dict) -> None:
         self.cfg, self.root, self.dims = cfg, root, dims
         self.engine, self.progress, self.data, self.inputs = engine, progress, data, inputs
         self.config_yaml, self.universal_info = config_yaml, universal_info
@@ -384,10 +387,6 @@ class CheckpointManager:
         self.progress.load_state_dict(plan.state)
         if not plan.universal:  # a new layout starts fresh generators (there is no rank-to-rank mapping)
             _set_rng_state(torch.load(plan.path / f"rng_rank{self.dims.rank}.pt", weights_only=True))
-        if self.data is None:
-            return
-        if plan.state["dp"] != self.dims.dp:
-            log.warning("DP changed (%d -> %d): the data stream restarts from a fresh position", plan.state["dp"],
-                        self.dims.dp)
-            return
-        self.data.load_state_dict(torch.load(plan.path / f"data_dp{self.dims.dp_rank}.pt", weights_only=True))
+        if self.data is not None:  # every saved DP rank's part: the data continues on any layout
+            self.data.load_state_dict({"ranks": [torch.load(plan.path / f"data_dp{r}.pt", weights_only=True)
+                                                 for r in range(plan.state["dp"])]})

@@ -106,7 +106,8 @@ class DataConfig:
     input_length: int = 512  # encoder length after span corruption; targets length follows (568 -> 114)
     noise_density: float = 0.15  # fraction of input tokens masked by span corruption
     mean_noise_span_length: float = 3.0  # mean length of a masked span
-    workers: int = 1  # DataLoader worker processes per rank
+    workers: int = 1  # DataLoader worker processes per rank (at most one per data stream the rank owns)
+    streams: int = 0  # streams the train shards are dealt to (0: min(shards, 64)); every DP size must divide it
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
 
 
@@ -127,7 +128,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     every: int = 0  # steps between evaluations (0: off)
-    batches: int = 4  # micro batches of the fixed validation slice
+    batches: int = 4  # global batches of the fixed validation slice (the same examples on every layout)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ class FinetuneConfig:
 
 class ExampleStream:
     """Endless micro batches of this DP rank: each epoch a permutation seeded by (seed, epoch), cut into
-    global batches of micro x DP examples, of which DP rank r takes the r-th micro slice. Resumable."""
+    global batches of micro x DP examples, of which DP rank r takes the r-th micro slice. Resumable on any layout
+    of the same global batch: the position is counted in examples."""
 
     def __init__(self, rows: list[tuple[list[int], list[int]]], micro: int, dp_rank: int, dp: int, seed: int):
         if len(rows) < micro * dp:
@@ -96,10 +97,12 @@ class ExampleStream:
         self.epoch, self.position = 0, 0  # position: global micro-batch slices consumed in this epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "examples": self.position * self.micro * self.dp}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
+        """`{"ranks": [...]}`: every saved DP rank holds the same global position (examples of this epoch)."""
+        saved = state["ranks"][0]
+        self.epoch, self.position = saved["epoch"], saved["examples"] // (self.micro * self.dp)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         per_slice = self.micro * self.dp

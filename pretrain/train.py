@@ -94,11 +94,12 @@ def train(cfg: Config) -> int:
         # 5. Data: this DP rank's stream of span-corrupted micro batches; the validation slice, read now so a bad
         #    file fails before hours of training ------------------------------------------------------------------
         loader = build_train_loader(cfg.data, seed=cfg.run.seed, dp_rank=dims.dp_rank, dp_size=dims.dp,
-                                    micro_batch=cfg.train.micro_batch, pin_memory=dims.device.type == "cuda")
+                                    micro_batch=cfg.train.micro_batch)
         validation = None
         if cfg.eval.every and cfg.data.valid:
             validation = build_eval_loader(cfg.data, dp_rank=dims.dp_rank, dp_size=dims.dp,
-                                           micro_batch=cfg.train.micro_batch, num_batches=cfg.eval.batches)
+                                           micro_batch=cfg.train.micro_batch,
+                                           num_examples=cfg.eval.batches * cfg.train.global_batch)
 
         # 6. Checkpoints (engine, progress, data position, RNG) and restore ---------------------------------------
         progress = Progress()

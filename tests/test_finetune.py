@@ -73,7 +73,7 @@ def test_stream_splits_by_dp_rank_and_resumes():
     it = iter(a)
     seen = [next(it)["input_ids"][:, 0].tolist() for _ in range(3)]  # crosses an epoch (2 slices of 4 per epoch)
     b = ExampleStream(rows, micro=2, dp_rank=0, dp=2, seed=5)
-    b.load_state_dict({"epoch": 0, "position": 1})
+    b.load_state_dict({"ranks": [{"epoch": 0, "examples": 4}] * 2})
     assert [next(iter(b))["input_ids"][:, 0].tolist()] == seen[1:2]
     batch = collate([([5, 6, 1], [7, 1]), ([8, 1], [9, 10, 1])])
     assert batch["labels"].tolist() == [[7, 1, IGNORE_INDEX], [9, 10, 1]]

@@ -239,6 +239,34 @@ def test_resume_on_another_tp_layout_continues_the_curve(tp_runs):
                                                                                                     "step_8"]
 
 
+def test_resume_on_fewer_then_more_dp_ranks_trains_on_the_same_examples(zero_runs, tmp_path):
+    # the ZeRO 1 run at DP 2 (micro 4 x accumulation 1) is the uninterrupted reference; its step 4 resumed at DP 1
+    # with micro 2 x accumulation 4 for 2 steps, then requeued on 4 ranks (micro 1 x accumulation 2) to the end:
+    # the same examples in the same global batches, so (dropout 0) the same losses up to summation order, and the
+    # same evaluation examples, so the same eval loss
+    reference = read_metrics(zero_runs[1])
+    run = [(str(tmp_path / "resumed"), [*COMMON, *data_overrides_of(zero_runs[1]), "zero.stage=1",
+                                        f"checkpoint.resume={zero_runs[1]}/checkpoints/step_4"], None)]
+    assert run_distributed(_train_each, 1, [(run[0][0], [*run[0][1], "train.micro_batch=2", "train.exit_after=2"],
+                                             None)]) == [[0]]
+    assert run_distributed(_train_each, 4, [(run[0][0], [*run[0][1], "train.micro_batch=1"], None)]) == [[0]] * 4
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(5, STEPS + 1))
+    torch.testing.assert_close([r["loss"] for r in resumed if "loss" in r], losses(zero_runs[1])[4:], rtol=1e-5,
+                               atol=0)
+    evals = lambda records: [r["eval_loss"] for r in records if "eval_loss" in r]
+    torch.testing.assert_close(evals(resumed)[-1:], evals(reference)[-1:], rtol=1e-5, atol=0)
+    assert resumed[-1]["tokens_seen"] == reference[-1]["tokens_seen"]
+
+
+def data_overrides_of(run_dir: Path) -> list[str]:
+    """The data keys of an earlier run, read from its resolved config."""
+    import yaml
+
+    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
+    return [f"data.{k}={data[k]}" for k in ("train", "valid", "tokenizer", "workers")]
+
+
 # ------------------------------------------------------------------------------------------------------
 # Faults and exact resume: stop (exit_after) -> killed during a save -> SIGTERM -> finish == uninterrupted
 # ------------------------------------------------------------------------------------------------------

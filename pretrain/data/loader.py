@@ -1,20 +1,21 @@
 """The loaders the trainer uses: a resumable streaming train loader and a fixed validation slice.
 
 `build_train_loader` yields dict batches (`input_ids`, `attention_mask`, `decoder_input_ids`, `labels`,
-`decoder_attention_mask`) forever, epoch after epoch. Batches are a function of (seed, epoch, DP rank, DP
-size, worker count) alone. `state_dict()` is plain JSON-able data (a few integers per worker); after
-`load_state_dict` the next batches are bit-identical to the uninterrupted run's, with any number of
-DataLoader workers: each worker tags its batches with its position, the loader keeps the position of the
-last batch it handed out per worker, and a resumed DataLoader rotates workers so the round-robin continues.
-The state also records the settings that decide the batches (shuffle buffer, lengths, noise, micro batch): a
-resume that changed one is refused, since the saved position would then repeat or skip text.
+`decoder_attention_mask`) forever: DP rank r's examples of the global order (pretrain.data.stream), cut into
+micro batches in order. Examples are a function of (seed, global index) alone; the DP size, the micro batch
+and the workers only decide who computes which example. `state_dict()` is plain data (each owned stream's
+position and the examples consumed); `load_state_dict` takes every saved DP rank's state, so a resume on any
+DP size, micro batch or number of workers continues with the next example, bit for bit. The state also
+records the settings that decide the examples (seed, streams, shuffle buffer, lengths, noise): a resume that
+changed one is refused, since the saved positions would then repeat or skip text.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import signal
-from multiprocessing.connection import wait
+import time
+from collections import deque
 from typing import Iterator
 
 from torch.utils.data import DataLoader
@@ -23,20 +24,19 @@ from pretrain.config import DataConfig, UsageError
 from pretrain.data.remote import redact
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
-from pretrain.data.stream import StreamSpec, TrainStreams, collate, examples, start_position
+from pretrain.data.stream import StreamSpec, WorkerRows, collate, examples, start_position
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: positions per (DP rank, worker), before the global order
 
 
-def _spec(cfg: DataConfig, spec: str, *, seed: int, dp_rank: int, dp_size: int, num_streams: int,
-          micro_batch: int, block_chunks: int) -> StreamSpec:
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+MAX_AUTO_STREAMS = 64  # data.streams 0: min(shards, 64); every power-of-two DP size up to 64 divides it
+
+
+def _spec(cfg: DataConfig, spec: str, *, seed: int, num_streams: int | None, block_chunks: int) -> StreamSpec:
+    """The stream settings of `spec`; `num_streams` None: `cfg.streams` (0: min(shards, MAX_AUTO_STREAMS))."""
     tok = Tokenizer(cfg.tokenizer)
     shards = expand_shards(spec)
     index = read_index(spec)
@@ -46,13 +46,17 @@ def _spec(cfg: DataConfig, spec: str, *, seed: int, dp_rank: int, dp_size: int, 
     if index is not None and index.get("num_ids") != tok.num_ids:
         raise UsageError(f"shards in {redact(spec)!r} were prepared with a tokenizer of {index.get('num_ids')} ids but "
                          f"data.tokenizer ({cfg.tokenizer}) has {tok.num_ids}; prepare them with that tokenizer")
+    if num_streams is None:
+        num_streams = cfg.streams or min(len(shards), MAX_AUTO_STREAMS)
+        if num_streams > len(shards):
+            raise UsageError(f"data.streams ({num_streams}) exceeds the {len(shards)} shards of data.train: every "
+                             "stream needs a shard; lower data.streams or prepare more shards")
     raw_length, target_length = input_and_target_lengths(cfg.input_length, cfg.noise_density,
                                                          cfg.mean_noise_span_length)
     return StreamSpec(
-        shards=tuple(shards), seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_streams=num_streams,
-        raw_length=raw_length, input_length=cfg.input_length, target_length=target_length,
-        block_chunks=block_chunks, num_ids=tok.num_ids, eos_id=tok.eos_id, noise_density=cfg.noise_density,
-        mean_noise_span_length=cfg.mean_noise_span_length, micro_batch=micro_batch,
+        shards=tuple(shards), seed=seed, num_streams=num_streams, raw_length=raw_length,
+        input_length=cfg.input_length, target_length=target_length, block_chunks=block_chunks, num_ids=tok.num_ids,
+        eos_id=tok.eos_id, noise_density=cfg.noise_density, mean_noise_span_length=cfg.mean_noise_span_length,
         expected_docs=_expected_docs(shards, index))
 
 
@@ -76,54 +80,80 @@ def _ending(exitcode: int) -> str:
     return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
 
-# the config keys of the settings a loader state records
-_SETTING_KEYS = {"shuffle_buffer": "data.shuffle_buffer", "input_length": "data.input_length",
-                 "noise_density": "data.noise_density", "mean_noise_span_length": "data.mean_noise_span_length",
-                 "micro_batch": "train.micro_batch"}
+# the config keys of the settings a loader state records: those that decide the examples
+_SETTING_KEYS = {"seed": "run.seed", "streams": "data.streams", "shuffle_buffer": "data.shuffle_buffer",
+                 "input_length": "data.input_length", "noise_density": "data.noise_density",
+                 "mean_noise_span_length": "data.mean_noise_span_length"}
+
+
+def _identity(item):
+    return item
 
 
 class TrainLoader:
-    """Iterable of batches with `state_dict()` / `load_state_dict()`; iterating again continues, it never rewinds.
-    `close()` ends the worker processes of the live iteration (the trainer calls it on every way out)."""
+    """Iterable of DP rank `dp_rank`'s micro batches with `state_dict()` / `load_state_dict()`; iterating again
+    continues, it never rewinds. `close()` ends the worker processes of the live iteration (the trainer calls it
+    on every way out)."""
 
-    def __init__(self, spec: StreamSpec, workers: int, pin_memory: bool = False):
-        self.spec, self.workers, self.pin_memory = spec, workers, pin_memory
-        self.batches = 0  # batches handed out; selects which worker's batch comes next
-        self.positions = [start_position() for _ in range(spec.num_streams)]
-        self.num_damaged_shards = 0  # damaged shard reads skipped so far, summed over workers
+    def __init__(self, spec: StreamSpec, *, dp_rank: int, dp_size: int, micro_batch: int, workers: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+        if spec.num_streams % dp_size:
+            raise UsageError(f"the DP size ({dp_size}) must divide data.streams ({spec.num_streams}; 0 means "
+                             f"min(shards, {MAX_AUTO_STREAMS})): each DP rank owns whole streams; set data.streams to "
+                             "a multiple of every DP size the run may use, at its start")
+        self.spec, self.dp_rank, self.dp_size, self.micro_batch = spec, dp_rank, dp_size, micro_batch
+        self.streams = list(range(dp_rank, spec.num_streams, dp_size))  # the streams this rank owns, in its order
+        # workers beyond one per stream would idle; 0 streams in the main process
+        self.workers = min(workers, len(self.streams))
+        self.consumed = 0  # examples this rank handed out; its next one is global example consumed * D + r
+        self.positions = {s: start_position() for s in self.streams}
+        self.num_damaged_shards = 0  # damaged shard reads skipped so far, summed over streams
         self._iterator = None
 
     def __iter__(self) -> Iterator[dict]:
-        streams = TrainStreams(self.spec, copy.deepcopy(self.positions), self.batches % self.spec.num_streams)
-        loader = DataLoader(streams, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
+        source = WorkerRows(self.spec, self.streams, copy.deepcopy(self.positions), self.workers)
+        loader = DataLoader(source, batch_size=None, collate_fn=_identity, num_workers=self.workers,
                             persistent_workers=False, prefetch_factor=4 if self.workers else None,
                             worker_init_fn=_ignore_preemption_signals)
         self.close()
         self._iterator = iter(loader)
-        damaged = [0] * self.spec.num_streams
+        queues: dict[int, deque] = {s: deque() for s in self.streams}
+        damaged = dict.fromkeys(self.streams, 0)
         try:
-            while (batch := self._next_batch()) is not None:
-                stream = batch.pop("_stream")
-                self.positions[stream] = batch.pop("_position")
-                damaged[stream] = batch.pop("_damaged")
-                if sum(damaged) > self.num_damaged_shards:
-                    self.num_damaged_shards = sum(damaged)
+            while True:
+                pairs = []
+                while len(pairs) < self.micro_batch:
+                    stream = self.streams[self.consumed % len(self.streams)]  # round robin: the global order
+                    while not queues[stream]:
+                        for s, inputs, targets, after, bad in self._next_item():
+                            queues[s].extend(zip(inputs, targets, after))
+                            damaged[s] = bad
+                    inputs, targets, self.positions[stream] = queues[stream].popleft()
+                    pairs.append((inputs, targets))
+                    self.consumed += 1
+                if sum(damaged.values()) > self.num_damaged_shards:
+                    self.num_damaged_shards = sum(damaged.values())
                     log.warning("%d damaged shard reads skipped so far", self.num_damaged_shards)
-                self.batches += 1
-                yield batch
+                yield collate(pairs, self.spec.input_length, self.spec.target_length)
         finally:
             self.close()
 
-    def _next_batch(self) -> dict | None:
-        """The next batch (None at the end); a worker that died (OOM killer, SIGKILL) is named as such. Torch reports that only when
-        its queue times out: a batch already in flight fails first with a closed connection to the dead worker."""
+    def _next_item(self) -> list[tuple]:
+        """The next item of the workers (round robin over them); a worker that died (OOM killer, SIGKILL) is named
+        as such. Torch reports that only when its queue times out: an item already in flight fails first with a
+        closed connection to the dead worker."""
         try:
             return next(self._iterator)
-        except StopIteration:
-            return None
         except (ConnectionError, EOFError) as error:
             workers = getattr(self._iterator, "_workers", [])
-            wait([w.sentinel for w in workers], timeout=5)  # its sockets close a moment before it can be reaped
+            # its sockets close a moment before it can be reaped (the kernel closes a dying process's files before
+            # it becomes a zombie, so even its ready sentinel can precede a waitpid that sees it): poll
+            deadline = time.monotonic() + 5
+            while all(w.exitcode is None for w in workers) and time.monotonic() < deadline:
+                time.sleep(0.01)
             dead = [f"pid {w.pid}, {_ending(w.exitcode)}" for w in workers if w.exitcode is not None]
             if dead:
                 raise RuntimeError(f"DataLoader worker ({'; '.join(dead)}) exited unexpectedly; out of host "
@@ -136,56 +166,52 @@ class TrainLoader:
             iterator._shutdown_workers()  # workers ignore SIGTERM: they must be told to stop
 
     def _settings(self) -> dict:
-        """What decides the batch contents; a resume with other values would repeat or skip data."""
+        """What decides the examples; a resume with other values would repeat or skip text."""
         s = self.spec
-        return {"shuffle_buffer": s.block_chunks, "input_length": s.input_length,
-                "noise_density": s.noise_density, "mean_noise_span_length": s.mean_noise_span_length,
-                "micro_batch": s.micro_batch}
+        return {"seed": s.seed, "streams": s.num_streams, "shuffle_buffer": s.block_chunks,
+                "input_length": s.input_length, "noise_density": s.noise_density,
+                "mean_noise_span_length": s.mean_noise_span_length}
 
     def state_dict(self) -> dict:
-        s = self.spec
-        return {"version": STATE_VERSION, "seed": s.seed, "dp_rank": s.dp_rank, "dp_size": s.dp_size,
-                "workers": s.num_streams, "batches": self.batches, "positions": copy.deepcopy(self.positions),
-                "settings": self._settings()}
+        """This DP rank's part: its streams' positions, and the examples of the whole run consumed (at a step
+        boundary every rank has handed out the same number)."""
+        return {"version": STATE_VERSION, "examples": self.consumed * self.dp_size,
+                "positions": {str(s): dict(p) for s, p in self.positions.items()}, "settings": self._settings()}
 
     def load_state_dict(self, state: dict) -> None:
-        s = self.spec
-        if state.get("version") != STATE_VERSION:
-            raise UsageError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
-        if state["dp_size"] == s.dp_size and state["dp_rank"] != s.dp_rank:
-            raise ValueError(f"data loader state of DP rank {state['dp_rank']} loaded on DP rank {s.dp_rank}; "
-                             "each DP rank must load its own state")
+        """`state`: `{"ranks": [the state_dict of every DP rank of the saving run]}`; any DP size may load it."""
+        ranks = state["ranks"]
+        if any(r.get("version") != STATE_VERSION for r in ranks):
+            raise UsageError(f"the data position in the checkpoint is of another version (not {STATE_VERSION}); it "
+                             "cannot be continued exactly: start a new run.dir")
         now = self._settings()
         changed = [f"{_SETTING_KEYS[k]} ({v} in the checkpoint, {now[k]} now)"
-                   for k, v in state.get("settings", {}).items() if now[k] != v]
+                   for k, v in ranks[0]["settings"].items() if now[k] != v]
         if changed:
             raise UsageError(f"the data settings changed since the checkpoint: {', '.join(changed)}; the saved data "
-                             "position would repeat or skip text: restore them, or start a new run.dir")
-        if (state["dp_size"], state["workers"], state["seed"]) != (s.dp_size, s.num_streams, s.seed):
-            epoch = max(p["epoch"] for p in state["positions"]) + 1
-            log.warning("data loader state is for DP size %d, %d workers, seed %d; now DP size %d, %d workers, "
-                        "seed %d: starting a new deterministic data order at epoch %d", state["dp_size"],
-                        state["workers"], state["seed"], s.dp_size, s.num_streams, s.seed, epoch)
-            self.batches, self.positions = 0, [start_position(epoch) for _ in range(s.num_streams)]
-            return
-        self.batches, self.positions = state["batches"], copy.deepcopy(state["positions"])
+                             "positions would repeat or skip text: restore them, or start a new run.dir")
+        examples = {r["examples"] for r in ranks}
+        positions = {int(s): p for r in ranks for s, p in r["positions"].items()}
+        assert len(examples) == 1 and len(positions) == self.spec.num_streams, "a partial or inconsistent data state"
+        (consumed,) = examples
+        if consumed % self.dp_size:
+            raise ValueError(f"{consumed} examples consumed is not a multiple of the DP size ({self.dp_size})")
+        self.consumed = consumed // self.dp_size
+        self.positions = {s: dict(positions[s]) for s in self.streams}
 
 
-def build_train_loader(cfg: DataConfig, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int,
-                       pin_memory: bool = False) -> TrainLoader:
+def build_train_loader(cfg: DataConfig, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int) -> TrainLoader:
     """The train loader of one DP rank over `cfg.train`; TP peers (same dp_rank) get identical batches."""
-    num_streams = max(1, cfg.workers)
-    spec = _spec(cfg, cfg.train, seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_streams=num_streams,
-                 micro_batch=micro_batch, block_chunks=max(1, cfg.shuffle_buffer))
-    if len(spec.shards) < dp_size * num_streams:
-        raise UsageError(
-            f"data.train has {len(spec.shards)} shards but DP size ({dp_size}) x data.workers ({num_streams}) = "
-            f"{dp_size * num_streams} streams need at least one each; prepare more shards or lower data.workers")
+    spec = _spec(cfg, cfg.train, seed=seed, num_streams=None, block_chunks=max(1, cfg.shuffle_buffer))
+    loader = TrainLoader(spec, dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch, workers=cfg.workers)
+    if cfg.workers > loader.workers:
+        log.info("data.workers %d: %d per DP rank are used, one per data stream it owns (data.streams %d / DP %d)",
+                 cfg.workers, loader.workers, spec.num_streams, dp_size)
     index = read_index(cfg.train)
     if index is not None:
-        log.info("train data: %d shards, %d tokens (~%d chunks of %d per epoch over all DP ranks)",
-                 len(spec.shards), index["tokens"], index["tokens"] // spec.raw_length, spec.raw_length)
-    return TrainLoader(spec, cfg.workers, pin_memory)
+        log.info("train data: %d shards in %d streams, %d tokens (~%d chunks of %d per epoch)", len(spec.shards),
+                 spec.num_streams, index["tokens"], index["tokens"] // spec.raw_length, spec.raw_length)
+    return loader
 
 
 class EvalLoader:
@@ -201,20 +227,20 @@ class EvalLoader:
         return len(self.batches)
 
 
-def build_eval_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, micro_batch: int, num_batches: int) -> EvalLoader:
-    """`num_batches` batches for this DP rank from the start of `cfg.valid`, with a fixed seed (0) for the
-    order and the corruption whatever the run's seed; example i goes to DP rank i % dp_size (disjoint)."""
-    spec = _spec(cfg, cfg.valid, seed=0, dp_rank=0, dp_size=1, num_streams=1, micro_batch=micro_batch,
-                 block_chunks=max(1, cfg.shuffle_buffer))
-    needed = num_batches * micro_batch
+def build_eval_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, micro_batch: int,
+                      num_examples: int) -> EvalLoader:
+    """DP rank r's part of the first `num_examples` examples of `cfg.valid` (one stream, seed 0 for the order and
+    the corruption whatever the run's seed): examples i = r (mod DP), in micro batches. The examples, and so
+    the loss over all ranks, are the same on every layout."""
+    spec = _spec(cfg, cfg.valid, seed=0, num_streams=1, block_chunks=max(1, cfg.shuffle_buffer))
     mine: list = []
     for i, (inputs, targets, after) in enumerate(examples(spec, 0, start_position(), [0])):
+        if i == num_examples:
+            break
         if after["epoch"] > 0:
-            raise UsageError(f"data.valid ({redact(cfg.valid)}) holds {i} examples, too few for {num_batches} batches of "
-                             f"{micro_batch} on each of {dp_size} DP ranks; lower eval.batches")
+            raise UsageError(f"data.valid ({redact(cfg.valid)}) holds {i} examples, too few for {num_examples} "
+                             "(eval.batches x train.global_batch); lower eval.batches")
         if i % dp_size == dp_rank:
             mine.append((inputs, targets))
-            if len(mine) == needed:
-                break
     return EvalLoader([collate(mine[k : k + micro_batch], spec.input_length, spec.target_length)
-                       for k in range(0, needed, micro_batch)])
+                       for k in range(0, len(mine), micro_batch)])

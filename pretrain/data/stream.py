@@ -1,9 +1,21 @@
-"""One data stream: shards -> documents -> raw chunks -> seeded block shuffle -> span corruption -> batches.
+"""The global data order: shards -> documents -> raw chunks -> seeded block shuffle -> span corruption, dealt
+into one sequence of examples that depends on the seed alone (Megatron's global sample index, for streams).
 
-A train loader runs one stream per DataLoader worker ("logical worker"); each stream owns a disjoint slice of
-the shards, split by DP rank first and worker second (never by global rank: the TP peers of one DP replica
-read identical batches). Everything random is a function of (seed, epoch, DP rank, stream, block),
-and a stream's position is six integers, so a restart rebuilds the exact same batches:
+The train shards are dealt to S streams (`data.streams`). Stream s reads, in its epoch e, the shards
+permutation(seed, e)[s::S], joins their documents with EOS, cuts raw chunks, permutes them a block
+(`data.shuffle_buffer` chunks) at a time and span-corrupts each block, every random draw seeded by
+(seed, epoch, stream, block). Global example i is example i // S of stream i % S:
+
+    stream    0    1    2    3    0    1    2    3    0  ...      (S = 4)
+    example   0    1    2    3    4    5    6    7    8  ...      global batch k: examples [kG, (k+1)G)
+
+DP rank r of D computes the examples i = r (mod D), in order. D divides S, so rank r owns the streams
+s = r (mod D) whole and reads nothing it does not use; its loader workers split those streams among them, and
+its micro batches are its examples cut in order. DP size, micro batch and workers decide who computes an
+example, never which example it is; a checkpoint holds every stream's position, so a resume on any layout
+continues with the next example.
+
+A stream's position is six integers, so a restart rebuilds the exact same examples:
 
     epoch   passes over this stream's shards; shard order is reshuffled from (seed, epoch)
     shard   index into this epoch's shard list of the block being drained
@@ -15,7 +27,7 @@ and a stream's position is six integers, so a restart rebuilds the exact same ba
 Resuming re-reads one block (at most `shuffle_buffer` chunks; the head of one shard is read but its packs
 before the resume point are not decoded); the cost never grows with the data consumed. The hot path works
 on whole arrays: documents are joined with EOS a pack (~0.5M tokens) at a time, and a block is permuted and
-span-corrupted in one vectorised call; per example only a row is sliced out.
+span-corrupted in one vectorised call; examples travel from the workers in arrays of `ROWS` per stream.
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ log = logging.getLogger(__name__)
 
 POSITION_KEYS = ("epoch", "shard", "doc", "offset", "block", "next")
 IGNORE_INDEX = -100  # labels on padding; the loss skips them
+ROWS = 8  # examples per stream in one item from a loader worker
 
 
 def start_position(epoch: int = 0) -> dict:
@@ -48,9 +61,7 @@ class StreamSpec:
 
     shards: tuple[str, ...]
     seed: int
-    dp_rank: int
-    dp_size: int
-    num_streams: int  # logical workers per DP rank
+    num_streams: int  # S: the streams of the whole run (data.streams), whatever the layout
     raw_length: int  # tokens per chunk before span corruption
     input_length: int
     target_length: int
@@ -59,15 +70,13 @@ class StreamSpec:
     eos_id: int
     noise_density: float
     mean_noise_span_length: float
-    micro_batch: int
     expected_docs: tuple[int, ...] | None  # documents per shard from index.json: a short read is damage
 
 
 def epoch_shards(spec: StreamSpec, epoch: int, stream: int) -> list[str]:
-    """This stream's shards in epoch `epoch`: a seeded global permutation, split by DP rank, then by stream."""
+    """Stream `stream`'s shards in its epoch `epoch`: a seeded permutation of all shards, dealt to the streams."""
     order = np.random.default_rng([spec.seed, epoch]).permutation(len(spec.shards))
-    mine = order[spec.dp_rank :: spec.dp_size][stream :: spec.num_streams]
-    return [spec.shards[i] for i in mine]
+    return [spec.shards[i] for i in order[stream :: spec.num_streams]]
 
 
 def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
@@ -160,7 +169,7 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
         produced = first_block > 0
         for block, (chunks, start) in enumerate(blocks(spec, shards, shard, doc, offset, damaged), first_block):
             produced = True
-            rng = np.random.default_rng([spec.seed, epoch, spec.dp_rank, stream, block])
+            rng = np.random.default_rng([spec.seed, epoch, stream, block])
             inputs, targets = span_corrupt(
                 chunks[rng.permutation(len(chunks))], rng, vocab_size=spec.num_ids, eos_id=spec.eos_id,
                 noise_density=spec.noise_density, mean_noise_span_length=spec.mean_noise_span_length)
@@ -168,7 +177,7 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
                 yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
             nxt = 0
         if not produced:
-            raise UsageError(f"DP rank {spec.dp_rank} worker {stream} has no readable data in its {len(shards)} shards "
+            raise UsageError(f"data stream {stream} has no readable data in its {len(shards)} shards "
                              f"(all damaged or empty: {redact(shards[0])}, ...); check data.train")
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
@@ -200,30 +209,28 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, targe
     return batch
 
 
-def batches(spec: StreamSpec, stream: int, position: dict) -> Iterator[dict]:
-    """Batches of one stream; each carries the stream id, its position after the batch and a damage count."""
-    damaged = [0]
-    pairs: list[tuple[np.ndarray, np.ndarray]] = []
-    for inputs, targets, after in examples(spec, stream, position, damaged):
-        pairs.append((inputs, targets))
-        if len(pairs) == spec.micro_batch:
-            batch = collate(pairs, spec.input_length, spec.target_length)
-            batch.update(_stream=stream, _position=after, _damaged=damaged[0])
-            yield batch
-            pairs = []
+def rows(spec: StreamSpec, streams: list[int], positions: dict[int, dict]) -> Iterator[list[tuple]]:
+    """One loader worker's output: items of `ROWS` examples from each of its `streams`, as
+    (stream, inputs [ROWS, input_length], targets [ROWS, target_length], position after each row, damaged shard
+    reads of the stream so far). The loader deals the rows into the rank's order."""
+    damaged = {s: [0] for s in streams}
+    its = {s: examples(spec, s, positions[s], damaged[s]) for s in streams}
+    while True:
+        item = []
+        for s in streams:
+            got = [next(its[s]) for _ in range(ROWS)]
+            item.append((s, np.stack([g[0] for g in got]), np.stack([g[1] for g in got]), [g[2] for g in got],
+                         damaged[s][0]))
+        yield item
 
 
-class TrainStreams(IterableDataset):
-    """The streams of one DP rank; DataLoader worker w runs logical stream (w + rotation) % num_streams.
+class WorkerRows(IterableDataset):
+    """The streams of one DP rank, dealt to the DataLoader workers: worker w of W runs streams[w::W]."""
 
-    The rotation lets a resumed loader continue the round-robin over workers where the last run stopped.
-    """
+    def __init__(self, spec: StreamSpec, streams: list[int], positions: dict[int, dict], workers: int):
+        self.spec, self.streams, self.positions, self.workers = spec, streams, positions, workers
 
-    def __init__(self, spec: StreamSpec, positions: list[dict], rotation: int):
-        self.spec, self.positions, self.rotation = spec, positions, rotation
-
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[list[tuple]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        stream = (worker + self.rotation) % self.spec.num_streams
-        return batches(self.spec, stream, self.positions[stream])
+        return rows(self.spec, self.streams[worker :: max(1, self.workers)], self.positions)
