@@ -34,7 +34,7 @@ class ConfigError(UsageError):
     """A mistake in a config file or an override; the message is one line meant for the user."""
 
 
-def check_at_least(section: str, cfg, lows: dict[str, int]) -> None:
+def check_at_least(section: str, cfg: object, lows: dict[str, int]) -> None:
     """A section's single-key lower bounds (its `__post_init__` calls this): `section.key (value) must be >= low`."""
     for key, low in lows.items():
         if getattr(cfg, key) < low:
