@@ -1,9 +1,10 @@
 """Run configuration: one frozen dataclass per section, loaded from YAML plus `section.key=value` overrides.
 
 Precedence is dataclass defaults < YAML file < command line (merged by OmegaConf). A user mistake (an
-unknown key, a value of the wrong type, a missing file) is a `ConfigError` whose message is one line naming
-the key and the closest valid key or the expected type; `parse_args` turns it into that line on stderr and
-exit code 2, never a traceback.
+unknown key, a value of the wrong type or out of range, a missing file) is a `ConfigError` whose message is one
+line naming the key and the closest valid key, the expected type or the allowed range; `parse_args` turns it
+into that line on stderr and exit code 2, never a traceback. A section's single-key rules are its
+`__post_init__`; rules across sections and the launch are `pretrain.plan.check_job`'s.
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ class ConfigError(UsageError):
     """A mistake in a config file or an override; the message is one line meant for the user."""
 
 
+def check_at_least(section: str, cfg: object, lows: dict[str, int]) -> None:
+    """A section's single-key lower bounds (its `__post_init__` calls this): `section.key (value) must be >= low`."""
+    for key, low in lows.items():
+        if getattr(cfg, key) < low:
+            raise ConfigError(f"{section}.{key} ({getattr(cfg, key)}) must be >= {low}")
+
+
 # --------------------------------------------------------------------------------------------------------
 # The pretraining schema. Field names are the user-facing contract (DESIGN.md "Contract").
 # --------------------------------------------------------------------------------------------------------
@@ -41,12 +49,19 @@ class RunConfig:
     dir: str = "runs/default"  # run folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/
     seed: int = 1234  # every random stream derives from this (and dp rank, worker, epoch)
 
+    def __post_init__(self) -> None:
+        if not self.dir.strip():  # Path("") is the current folder: checkpoints would land wherever the job starts
+            raise ConfigError("run.dir is empty; name the run folder (run.dir=runs/NAME)")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor: int = 1  # tensor-parallel size (TP); data-parallel size is world / TP
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), nccl or gloo
     timeout_s: int = 600  # process-group timeout: a dead rank makes the others fail after this long
+
+    def __post_init__(self) -> None:
+        check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.parallel
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,11 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none, full (layers) or selective (core attention); true/false = full/none
     compile: bool = False  # torch.compile each encoder and decoder layer
 
+    def __post_init__(self) -> None:
+        check_at_least("train", self, {"steps": 1, "exit_after": 0, "max_skipped_steps": 0, "warmup_steps": 0})
+        if not self.lr > 0:  # also NaN
+            raise ConfigError(f"train.lr ({self.lr}) must be > 0: it is the peak learning rate, and 0 trains nothing")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -109,6 +129,9 @@ class DataConfig:
     workers: int = 1  # DataLoader worker processes per rank (at most one per data stream the rank owns)
     streams: int = 0  # streams the train shards are dealt to (0: min(shards, 64)); every DP size must divide it
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
+
+    def __post_init__(self) -> None:
+        check_at_least("data", self, {"workers": 0})
 
 
 @dataclass(frozen=True)
@@ -123,6 +146,9 @@ class LogConfig:
     every: int = 10  # steps between metrics lines
     peak_flops: float = 0.0  # device peak FLOP/s for MFU (0: measured matmul rate on CPU, table on GPU)
     wandb: str = ""  # Weights & Biases project to mirror the metrics to ("": off; WANDB_MODE=offline works offline)
+
+    def __post_init__(self) -> None:
+        check_at_least("log", self, {"every": 1})
 
 
 @dataclass(frozen=True)
@@ -174,6 +200,22 @@ def _explain(err: OmegaConfBaseException, schema: type) -> str:
     return f"config error at '{key}': {str(err).splitlines()[0]}"
 
 
+def _check_sections(layer: dict, schema: type, prefix: str = "") -> None:
+    """A section given a value instead of its keys (`train: [1, 2]`) is named here: OmegaConf's merge error
+    names no key."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(schema)
+                if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+    for name, value in layer.items():
+        if name not in sections:
+            continue  # a plain key, or an unknown one (OmegaConf's error names it)
+        if isinstance(value, dict):
+            _check_sections(value, sections[name], f"{prefix}{name}.")
+        elif value is not None:  # an empty section (`train:`) is OmegaConf's "not Optional"
+            keys = [f"{prefix}{name}.{f.name}" for f in dataclasses.fields(sections[name])][:2]
+            raise ConfigError(f"bad value for config key '{prefix}{name}': it is a section of keys ({', '.join(keys)}, "
+                              f"...), not the {type(value).__name__} {value!r}")
+
+
 def _with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
     """The YAML file at `path` after the files its `base:` key names (relative to it), bases first: size
     configs share one recipe file and state only what differs."""
@@ -211,9 +253,11 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
     if overrides:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        # `key=` is the empty string, as in YAML `key: ''` (OmegaConf would read None, which no key accepts)
+        layers.append(OmegaConf.from_dotlist([item if item.partition("=")[2] else item + "''" for item in overrides]))
     try:
         for layer in layers:
+            _check_sections(OmegaConf.to_container(layer), schema)
             merged = OmegaConf.merge(merged, layer)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -257,6 +301,13 @@ def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "
         _exit(prog, str(e))
 
 
+def print_error(prog: str, msg: str) -> None:
+    """`PROG: error: MSG` on stderr in one write: the ranks of a job share one stderr under torchrun, and print()
+    writes the text and its newline separately, so two ranks' lines ran into one (a short write is atomic)."""
+    sys.stderr.write(f"{prog + ': ' if prog else ''}error: {msg}\n")
+    sys.stderr.flush()
+
+
 def _exit(prog: str, msg: str) -> NoReturn:
-    print(f"{prog + ': ' if prog else ''}error: {msg}", file=sys.stderr)
+    print_error(prog, msg)
     raise SystemExit(2)

@@ -10,7 +10,7 @@ only that TP rank's files, since the tool itself knows no TP), then the TP shard
 attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every file is unpickled with
 `weights_only=True`, DeepSpeed's own reads included: a checkpoint file that would run code is refused.
 
-Output (written to OUT.tmp, renamed to OUT only when complete): the weights in HuggingFace's T5 names as
+Output (written to OUT.tmp, renamed to OUT only when complete, removed on a failure such as a full disk): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
 mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `read_export`
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from typing import Callable
 import torch
 import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
@@ -291,16 +293,42 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype = torch.float32,
                  source: dict | None = None, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
-    """Write `model` (TP=1) to `output` atomically: everything goes to output.tmp, renamed when complete.
+    """Write `model` (TP=1) to `output` atomically: everything goes to output.tmp, renamed when complete; on any
+    failure output.tmp is removed, and a write that finds no room (disk full, quota) is one line (UsageError).
 
     `source`: where the weights come from (checkpoint, step, tokens_seen, data, evaluation) for the model card.
     """
     if output.exists():
         raise UsageError(f"{output} already exists; remove it or choose another --output")
-    cfg: ModelConfig = model.config
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_folder(model, spiece, tmp, output.name, dtype, source, max_shard_size)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written export stays behind, whatever went wrong
+        reason = _disk_full(e)
+        if reason:
+            raise UsageError(f"writing the export {output} failed ({reason}); is the disk full or over quota? "
+                             "nothing was written: free space or choose another --output") from None
+        raise
+    tmp.rename(output)
+    return output
+
+
+def _disk_full(e: BaseException) -> str:
+    """The reason, when `e` is a write that found no room (disk full, quota, a file size limit); else ""."""
+    code = e.errno if isinstance(e, OSError) else None
+    if isinstance(e, SafetensorError):  # safetensors' Rust writer: "I/O error: No space left on device (os error 28)"
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    return os.strerror(code) if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+
+
+def _write_folder(model: T5Model, spiece: Path, tmp: Path, output_name: str, dtype: torch.dtype,
+                  source: dict | None, max_shard_size: int | str) -> None:
+    """Every file of the export into `tmp` (write_export renames it when this returns)."""
+    cfg: ModelConfig = model.config
     state = full_state_dict(model, clone=False)  # TP 1: the parameters themselves; the export copies them once
     weights = {k: v.to(dtype).contiguous() for k, v in to_export_state_dict(state, cfg).items()}
     _save_weights(weights, tmp, max_shard_size)
@@ -326,9 +354,7 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
     config.save_pretrained(str(tmp))
     GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp))
     num_params = sum(p.numel() for p in model.parameters())  # TP = 1: the full model
-    (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output.name))
-    tmp.rename(output)
-    return output
+    (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output_name))
 
 
 def _evaluation(run_dir: Path, step: int) -> dict[str, float]:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pretrain.config import UsageError
+from pretrain.config import UsageError, print_error
 from pretrain.parallel import destroy_distributed
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     try:
         return job()
     except UsageError as e:
-        print(f"{prog}: error: {_user_message(e)}", file=sys.stderr)
+        print_error(prog, _user_message(e))
         return EXIT_USAGE
     except Diverged as e:
         log.error("%s", e)

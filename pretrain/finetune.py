@@ -28,14 +28,14 @@ import torch
 import yaml
 
 from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
-from pretrain.config import (CheckpointConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
-                             UsageError, ZeroConfig, parse_args, save_config, to_yaml)
+from pretrain.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
+                             TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
 from pretrain.engine import build_engine, num_accumulation_steps
 from pretrain.evaluate import METHODS, evaluate_task, input_limit, write_results
 from pretrain.export import read_export
 from pretrain.faults import EXIT_OK, run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
-from pretrain.loop import Meter, check_train_config, mixture_metrics, run_loop, synthesizer_pictures, to_device
+from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.metrics import MetricsLogger
 from pretrain.model import (IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info,
                             with_vocab)
@@ -54,6 +54,9 @@ class TaskConfig:
     freeze_mixture: bool = False  # keep the pretrained mixture weights (attn.mix) fixed
     train_examples: int = 0  # use only the first N training examples (0: all)
 
+    def __post_init__(self) -> None:
+        check_at_least("task", self, {"max_input_length": 2, "train_examples": 0})  # inputs: a token and EOS
+
 
 @dataclass(frozen=True)
 class FinetuneDataConfig:
@@ -68,6 +71,11 @@ class FinetuneEvalConfig:
     batch: int = 32  # examples per forward pass
     limit: int = 0  # evaluate only the first N examples of each file (0: all)
     submission: bool = True  # write test-set predictions in the benchmark's format at the end
+
+    def __post_init__(self) -> None:
+        check_at_least("eval", self, {"batch": 1})
+        if self.method not in METHODS:
+            raise ConfigError(f"eval.method '{self.method}' is not one of {', '.join(METHODS)}")
 
 
 @dataclass(frozen=True)
@@ -85,14 +93,23 @@ class FinetuneConfig:
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
 
 
+def check_examples(num_examples: int, file: Path, task: TaskConfig, micro_batch: int, dp: int) -> None:
+    """Every DP rank's first micro batch must be full: fewer examples is a user's mistake, refused in one line
+    (identical on every rank) before the lock or the export is touched."""
+    if num_examples < micro_batch * dp:
+        kept = f" (task.train_examples={task.train_examples})" if task.train_examples else ""
+        raise UsageError(f"task {task.name}: {file}{kept} gives {num_examples} training examples, fewer than one micro "
+                         f"batch on every DP rank: train.micro_batch ({micro_batch}) x DP ({dp}) = {micro_batch * dp}; "
+                         "add examples or lower train.micro_batch")
+
+
 class ExampleStream:
     """Endless micro batches of this DP rank: each epoch a permutation seeded by (seed, epoch), cut into
     global batches of micro x DP examples, of which DP rank r takes the r-th micro slice. Resumable on any layout
     of the same global batch: the position is counted in examples."""
 
     def __init__(self, rows: list[tuple[list[int], list[int]]], micro: int, dp_rank: int, dp: int, seed: int):
-        if len(rows) < micro * dp:
-            raise ValueError(f"{len(rows)} training examples cannot fill one micro batch of {micro} x DP {dp}")
+        assert len(rows) >= micro * dp, "check_examples refuses a training set smaller than one micro batch x DP"
         self.rows, self.micro, self.dp_rank, self.dp, self.seed = rows, micro, dp_rank, dp, seed
         self.epoch, self.position = 0, 0  # position: global micro-batch slices consumed in this epoch
 
@@ -178,22 +195,17 @@ def finetune(cfg: FinetuneConfig) -> int:
     init_logging(dims.rank)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
-    check_train_config(cfg.train, cfg.log.every)
     if not isinstance(cfg.train.micro_batch, int):
         raise UsageError(f"train.micro_batch '{cfg.train.micro_batch}': fine-tuning takes a number (auto is the "
                          "pretraining planner's)")
-    if cfg.eval.method not in METHODS:
-        raise UsageError(f"eval.method '{cfg.eval.method}' is not one of {', '.join(METHODS)}")
-    if cfg.eval.batch < 1:
-        raise UsageError(f"eval.batch ({cfg.eval.batch}) must be at least 1")
-    if cfg.task.max_input_length < 2:
-        raise UsageError(f"task.max_input_length ({cfg.task.max_input_length}) must be at least 2 (a token and EOS)")
     if not cfg.init:
         raise UsageError("init is empty; pass init=EXPORT_DIR (made by python -m pretrain.export)")
     task = get_task(cfg.task.name)
     if (Path(cfg.data.dir) / task.folder).is_dir():  # a benchmark root: one data.dir for a whole array job
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(Path(cfg.data.dir) / task.folder)))
     examples = task.read(cfg.data.dir, task.train, labelled=True)
+    examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
+    check_examples(len(examples), Path(cfg.data.dir) / task.train, cfg.task, cfg.train.micro_batch, dims.dp)
     for split in task.splits:  # the evaluation files, checked now rather than after hours of training
         task.read(cfg.data.dir, split.validation, labelled=True)
         if cfg.eval.submission:
@@ -221,7 +233,6 @@ def finetune(cfg: FinetuneConfig) -> int:
                               load_universal=bool(plan and plan.universal))
 
         # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------
-        examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
         stream = ExampleStream(tokenize(examples, tokenizer, max_input_length), cfg.train.micro_batch,
                                dims.dp_rank, dims.dp, cfg.run.seed)
 

@@ -29,22 +29,13 @@ from deepspeed.runtime.utils import get_global_norm_of_tensors
 from megatron.core import parallel_state
 
 from pretrain.checkpoint import CheckpointManager, Progress
-from pretrain.config import TrainConfig, UsageError
+from pretrain.config import TrainConfig
 from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
 from pretrain.figures import synthesizer_images
 from pretrain.metrics import MetricsLogger, peak_memory_bytes
 from pretrain.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
-
-
-def check_train_config(train: TrainConfig, log_every: int) -> None:
-    """Single-number rules of the loop's settings, before anything is allocated."""
-    for key, value, low in (("train.steps", train.steps, 1), ("log.every", log_every, 1),
-                            ("train.exit_after", train.exit_after, 0),
-                            ("train.max_skipped_steps", train.max_skipped_steps, 0)):
-        if value < low:
-            raise UsageError(f"{key} ({value}) must be >= {low}")
 
 
 def to_device(batches: Iterable[dict], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
 from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig, ParallelConfig, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +55,16 @@ def padded_vocab_size(num_ids: int, tp: int) -> int:
     return -(-num_ids // multiple) * multiple
 
 
+def check_world(tp: int, world_size: int) -> None:
+    """TP groups tile the world (parallel.tensor >= 1 is ParallelConfig's own rule)."""
+    if world_size % tp:
+        raise UsageError(f"parallel.tensor ({tp}) must divide the world size ({world_size}); launch a multiple of "
+                         f"{tp} processes or change parallel.tensor")
+
+
 def check_parallel(model_cfg: ModelConfig, tp: int, world_size: int) -> None:
     """Cross-field rules of the parallel layout, checked before anything is allocated."""
-    if tp < 1:
-        raise ValueError(f"parallel.tensor ({tp}) must be >= 1")
-    if world_size % tp:
-        raise ValueError(
-            f"world size ({world_size}) must be a multiple of parallel.tensor ({tp}); "
-            f"launch a multiple of {tp} processes or change parallel.tensor"
-        )
+    check_world(tp, world_size)
     if model_cfg.num_heads % tp:
         raise ValueError(
             f"model.num_heads ({model_cfg.num_heads}) must be a multiple of parallel.tensor ({tp})"
@@ -85,10 +86,7 @@ def _pick_backend(requested: str) -> str:
 def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
     """Join the job's process group (torchrun or SLURM variables), build TP x DP groups and seed the RNGs."""
     env = distributed_env()
-    if cfg.tensor < 1 or env.world_size % cfg.tensor:
-        raise ValueError(
-            f"world size ({env.world_size}) must be a multiple of parallel.tensor ({cfg.tensor})"
-        )
+    check_world(cfg.tensor, env.world_size)  # before joining: each rank refuses on its own, none waits
     export_torch_env(env)  # SLURM's variables -> the env:// rendezvous variables
     backend = _pick_backend(cfg.backend)
     if backend == "nccl":

@@ -24,7 +24,6 @@ from typing import Sequence
 from pretrain.config import Config, UsageError, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_deepspeed_config
-from pretrain.loop import check_train_config
 from pretrain.memory import GiB, MemoryEstimate, estimate_memory
 from pretrain.model import check_model
 from pretrain.model.flops import flops_per_sequence
@@ -51,11 +50,11 @@ class Layout:
 
 
 def check_job(cfg: Config, world: int, gpu_memory_bytes: int | None = None) -> Layout:
-    """Every start-up rule the trainer checks before allocating, for `world` processes; a mistake is a
-    UsageError whose message is one line. `train.micro_batch: auto` needs
+    """Every start-up rule across sections the trainer checks before allocating, for `world` processes (each
+    section's own rules ran when `cfg` was built); a mistake is a UsageError whose message is one line.
+    `train.micro_batch: auto` needs
     `gpu_memory_bytes` (without it: the whole per-rank batch in one pass, no accumulation)."""
     tp = cfg.parallel.tensor
-    check_train_config(cfg.train, cfg.log.every)
     try:
         check_parallel(cfg.model, tp, world)
         check_model(cfg.model, tp)

@@ -33,8 +33,14 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # the job's first write to run.dir: where a path that cannot be a run folder shows
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            run_dir = self.path.parent
+            files = [p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()]
+            why = f"{files[0]} is a file" if files else f"{e.strerror}: {e.filename}"
+            raise UsageError(f"run.dir {run_dir} cannot be created or written ({why}); choose another run.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -26,7 +26,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
         return math.sqrt(warmup / t)
     if cfg.schedule == "cosine":
         progress = min((t - warmup) / max(cfg.steps - warmup, 1), 1.0)
-        floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+        floor = cfg.min_lr / cfg.lr  # train.lr > 0: TrainConfig's rule
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"train.schedule '{cfg.schedule}' is not one of {', '.join(SCHEDULES)}")
 

@@ -1,4 +1,5 @@
 """Config loading: defaults < file < overrides, one-line errors for user mistakes, YAML round trip."""
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,19 @@ def test_precedence_defaults_file_overrides():
         (["train.steps=abc"], "bad value for config key 'train.steps'"),
         (["steps=3"], "unknown config key 'steps'"),
         (["train.steps"], "is not of the form section.key=value"),
+        (["train.steps="], "bad value for config key 'train.steps': Value '' of type 'str' could not be converted"),
+        (["train.steps=0"], "train.steps (0) must be >= 1"),
+        (["train.exit_after=-1"], "train.exit_after (-1) must be >= 0"),
+        (["train.max_skipped_steps=-1"], "train.max_skipped_steps (-1) must be >= 0"),
+        (["train.lr=0"], "train.lr (0.0) must be > 0: it is the peak learning rate, and 0 trains nothing"),
+        (["train.lr=-1e-3"], "train.lr (-0.001) must be > 0"),
+        (["train.warmup_steps=-1"], "train.warmup_steps (-1) must be >= 0"),
+        (["parallel.tensor=0"], "parallel.tensor (0) must be >= 1"),
+        (["data.workers=-1"], "data.workers (-1) must be >= 0"),
+        (["log.every=0"], "log.every (0) must be >= 1"),
+        (["run.dir="], "run.dir is empty; name the run folder"),
+        (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "
+                      "...), not the int 3"),
     ],
 )
 def test_user_mistakes_are_one_line(override, expected):
@@ -31,6 +45,39 @@ def test_user_mistakes_are_one_line(override, expected):
         load_config(Config, TINY, override)
     assert expected in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.lr=0", "train.lr (0.0) must be > 0"), ("train.warmup_steps=-1", "train.warmup_steps (-1) must be >= 0"),
+    ("parallel.tensor=0", "parallel.tensor (0) must be >= 1"), ("run.dir=", "run.dir is empty"),
+    ("task.train_examples=-1", "task.train_examples (-1) must be >= 0"), ("eval.batch=0", "eval.batch (0) must be >= 1"),
+    ("task.max_input_length=1", "task.max_input_length (1) must be >= 2"),
+    ("eval.method=beam", "eval.method 'beam' is not one of generate, rank, both"),
+])
+def test_finetuning_takes_the_same_rules(override, expected):
+    from pretrain.finetune import FinetuneConfig  # shares run, parallel, train, log, checkpoint with Config
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(FinetuneConfig, "configs/finetune/sst2.yaml", [override])
+
+
+def test_an_empty_override_is_the_empty_string(tmp_path):
+    # data.valid's empty value means "no validation data", as `valid: ''` in YAML does
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  valid: shards/valid\n")
+    cfg = load_config(Config, path, ["data.valid=", "data.train=pipe:cat a=b="])
+    assert cfg.data.valid == "" and cfg.data.train == "pipe:cat a=b="  # a value ending in "=" stays whole
+
+
+def test_a_section_given_a_value_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: [1, 2]\n")
+    with pytest.raises(ConfigError, match=re.escape("bad value for config key 'train': it is a section of keys "
+                                                    "(train.steps, train.micro_batch, ...), not the list [1, 2]")):
+        load_config(Config, path)
+    path.write_text("model:\n  d_model: 64\nlog: 5\n")
+    with pytest.raises(ConfigError, match=r"bad value for config key 'log': .*not the int 5"):
+        load_config(Config, path)
 
 
 def test_resolved_config_round_trips(tmp_path):

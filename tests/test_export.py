@@ -16,14 +16,16 @@ from transformers import AutoModelForSeq2SeqLM
 
 from pretrain.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
 from pretrain.export import CheckpointError, export, load_pretrained, write_export
+from pretrain.faults import EXIT_USAGE
 from pretrain.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
-from tests.distributed import run_distributed
+from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters
 from tokenizer.spm import Tokenizer
 
 TINY = load_config(Config, "configs/tiny.yaml")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precision):
@@ -230,6 +232,32 @@ def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, sav
     _with_size_listed(ckpt, ckpt / "config.yaml")
     with pytest.raises(UsageError, match=rf"{other} is not the tokenizer the model was trained with \(sha256 "):
         export(run_dir, tmp_path / "export")
+
+
+# the export's writing side as its command runs it (run_with_exit_codes), in a process whose disk is full
+_EXPORT_TINY = """
+import sys
+from pathlib import Path
+from pretrain.config import Config, load_config
+from pretrain.export import write_export
+from pretrain.faults import run_with_exit_codes
+from pretrain.model import build_local_model
+model = build_local_model(load_config(Config, "configs/tiny.yaml").model)
+sys.exit(run_with_exit_codes(lambda: write_export(model, Path(sys.argv[1]), Path(sys.argv[2])), "pretrain.export"))
+"""
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tokenizer_model):
+    previous = write_export(build_local_model(TINY.model), Path(tokenizer_model), tmp_path / "previous")
+    before = {f.name: f.read_bytes() for f in previous.iterdir()}
+    (tmp_path / "export.tmp").mkdir()  # left by an export that was killed
+    [(code, err)] = launch_like_srun(1, _EXPORT_TINY, [tokenizer_model, str(tmp_path / "export")], cwd=REPO,
+                                     preexec_fn=disk_full)  # the 1.6 MB weights file stops at 1 MB
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert err.endswith(f"pretrain.export: error: writing the export {tmp_path / 'export'} failed (File too large); "
+                        "is the disk full or over quota? nothing was written: free space or choose another --output\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous"]  # no export.tmp, no export
+    assert {f.name: f.read_bytes() for f in previous.iterdir()} == before
 
 
 def test_vanilla_export_is_plain_huggingface_t5(tmp_path, tokenizer_model):

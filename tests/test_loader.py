@@ -274,6 +274,47 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_shard(shards, tm
         list(itertools.islice(build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=4), 10_000))
 
 
+def _write_shard(path: Path, docs: list[list[int]]) -> None:
+    """A format-2 shard of `docs` in one pack, as another tool or an older prepare may have written it."""
+    with open(path, "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
+        writer.write(encode_pack(f"{path.stem}_000000", docs, [""] * len(docs), "u16"))
+
+
+def test_a_stream_of_empty_documents_is_refused_naming_the_shards(shards, tmp_path, caplog):
+    for name in ("shard-000000.tar", "shard-000001.tar"):
+        _write_shard(tmp_path / name, [[]] * 500)  # an EOS-only stream: the loss falls while nothing is learnt
+    loader = build_train_loader(shards.config(train=str(tmp_path), workers=0, streams=1), seed=0, dp_rank=0,
+                                dp_size=1, micro_batch=4)
+    with caplog.at_level(logging.WARNING), pytest.raises(UsageError) as e:
+        next(iter(loader))
+    assert str(e.value) == (f"data stream 0 has no readable data in its 2 shards ({tmp_path}/shard-000000.tar, "
+                            f"{tmp_path}/shard-000001.tar): damaged, empty, only empty documents, or less than one "
+                            "chunk of 70 tokens; check data.train")
+    assert caplog.text.count("skipped 500 empty documents (no tokens) of shard") == 2
+
+
+def test_a_few_empty_documents_are_skipped_and_counted(shards, tmp_path, caplog):
+    eos = 1
+    docs = [[] if i % 10 == 3 else [2 + i % 7] * (5 + i % 11) for i in range(300)]  # 30 empty
+    _write_shard(tmp_path / "shard-000000.tar", docs)
+    cfg = shards.config(train=str(tmp_path), workers=0, shuffle_buffer=4)
+    make = functools.partial(build_train_loader, cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=2)
+    with caplog.at_level(logging.WARNING):
+        stream = [uncorrupt(i, t) for i, t, after in itertools.takewhile(
+            lambda x: x[2]["epoch"] == 0, examples(make().spec, 0, start_position(), [0]))]
+    assert "skipped 30 empty documents (no tokens) of shard" in caplog.text
+    assert stream and not any(a == b == eos for chunk in stream for a, b in zip(chunk, chunk[1:]))  # no EOS, EOS
+    assert sum(chunk.count(eos) for chunk in stream) <= 270  # at most one EOS per non-empty document
+    # a resume point among the empty documents still continues exactly
+    whole = list(itertools.islice(make(), 12))
+    for stop in range(1, 11):
+        first = make()
+        list(itertools.islice(first, stop))
+        resumed = make()
+        resumed.load_state_dict({"ranks": [first.state_dict()]})
+        assert_same_batches(list(itertools.islice(resumed, 12 - stop)), whole[stop:])
+
+
 def test_streams_and_dp_size_that_do_not_fit_are_clear_errors(shards):
     with pytest.raises(UsageError, match=r"the DP size \(3\) must divide data.streams \(8; 0 means min\(shards, 64\)\)"):
         build_train_loader(shards.config(), seed=0, dp_rank=0, dp_size=3, micro_batch=2)

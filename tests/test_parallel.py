@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig, ParallelConfig, UsageError
 from pretrain.parallel import check_parallel, padded_vocab_size
 from tests.distributed import run_distributed
 
@@ -25,7 +25,7 @@ def test_padded_vocab_size():
 @pytest.mark.parametrize(
     "changes, tp, world, needle",
     [
-        ({}, 2, 3, "world size (3) must be a multiple of parallel.tensor (2)"),
+        ({}, 2, 3, "parallel.tensor (2) must divide the world size (3)"),
         ({"num_heads": 6}, 4, 4, "model.num_heads (6) must be a multiple of parallel.tensor (4)"),
         ({"d_ff": 1030}, 4, 4, "model.d_ff (1030) must be a multiple of parallel.tensor (4)"),
     ],
@@ -147,7 +147,8 @@ def test_init_distributed_rejects_world_not_multiple_of_tp(monkeypatch):
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match=r"world size \(3\) must be a multiple of parallel.tensor \(2\)"):
+    # a user's mistake (one line, exit 2 on every rank), not a ValueError's traceback
+    with pytest.raises(UsageError, match=r"parallel.tensor \(2\) must divide the world size \(3\); launch"):
         init_distributed(ParallelConfig(tensor=2), seed=0)  # raises before joining any process group
 
 

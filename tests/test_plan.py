@@ -145,7 +145,7 @@ def test_planner_verdicts(capsys):
     assert err.count("\n") == 1 and err.startswith("pretrain.plan: does not fit")
     assert "set train.activation_checkpointing=full" in err  # selective is not enough at 40 GiB
     code, out, err = _plan(capsys, *shape, "parallel.tensor=3")
-    assert code == 2 and "must be a multiple of parallel.tensor (3)" in err
+    assert code == 2 and "parallel.tensor (3) must divide the world size (8)" in err
 
 
 def test_trainer_side_check_leaves_the_real_process_groups_alone():

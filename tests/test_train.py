@@ -11,7 +11,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import signal
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import Config, load_config
 from pretrain.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
-from tests.distributed import launch_like_srun, run_distributed
+from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,12 +285,6 @@ sys.exit(main())
 TRAIN = "import sys; from pretrain.train import main; sys.exit(main())"
 
 
-def _disk_full() -> None:
-    """A 1 MB limit on every file the process writes (checkpoint shards are ~2 MB): writes fail with EFBIG."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
-
-
 def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shards):
     run = zero_runs["stopped"]
     checkpoints = run / "checkpoints"
@@ -305,7 +298,7 @@ def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shar
     assert not (checkpoints / "step_4" / "complete.json").exists()
     assert (checkpoints / "latest").read_text().strip() == "step_3"
     # the disk fills up during the next save of step 4: every rank fails, `latest` stays
-    results = launch_like_srun(2, TRAIN, argv, cwd=REPO, preexec_fn=_disk_full)
+    results = launch_like_srun(2, TRAIN, argv, cwd=REPO, preexec_fn=disk_full)
     assert [code for code, _ in results] == [EXIT_FAILED] * 2
     assert "is the disk full or over quota" in results[0][1]
     assert (checkpoints / "latest").read_text().strip() == "step_3"

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from pretrain.config import Config, ConfigError, TrainConfig, UsageError, load_config, to_yaml
+from pretrain.config import Config, ConfigError, UsageError, load_config, to_yaml
 from pretrain.data.prepare import prepare
 from pretrain.faults import EXIT_FAILED, EXIT_USAGE, run_with_exit_codes
-from pretrain.loop import check_train_config
+from pretrain.run_lock import RunLock
 from tokenizer.spm import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_only_usage_errors_are_one_line(capsys):
@@ -28,12 +34,43 @@ def test_only_usage_errors_are_one_line(capsys):
     assert err.count("Traceback (most recent call last)") == 1 and "ValueError: math domain error" in err
 
 
-@pytest.mark.parametrize("key, value", [("steps", -3), ("steps", 0), ("exit_after", -1), ("max_skipped_steps", -1)])
-def test_loop_settings_out_of_range_are_refused(key, value):
-    with pytest.raises(UsageError, match=rf"train.{key} \({value}\) must be >= "):
-        check_train_config(TrainConfig(**{key: value}), log_every=1)
-    with pytest.raises(UsageError, match=r"log.every \(0\) must be >= 1"):
-        check_train_config(TrainConfig(), log_every=0)
+def _unwritable(tmp_path: Path) -> Path:
+    """A run.dir this process may not create: below a read-only folder, or for root (who writes anywhere) in sysfs."""
+    if os.geteuid() == 0:
+        return Path("/sys/run")
+    (tmp_path / "read-only").mkdir(mode=0o500)
+    return tmp_path / "read-only" / "run"
+
+
+@pytest.mark.parametrize("case", ["a file", "below a file", "not permitted"])
+def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path, case):
+    (tmp_path / "notes.txt").write_text("not a folder")
+    run_dir, why = {"a file": (tmp_path / "notes.txt", f"({tmp_path / 'notes.txt'} is a file)"),
+                    "below a file": (tmp_path / "notes.txt" / "run", f"({tmp_path / 'notes.txt'} is a file)"),
+                    "not permitted": (_unwritable(tmp_path), "(Permission denied: " if os.geteuid() else
+                                      "(Operation not permitted: /sys/run)")}[case]
+    with pytest.raises(UsageError) as e:
+        RunLock(run_dir).acquire()  # the job's first write to run.dir; acquire_run_lock tells every rank
+    assert str(e.value).startswith(f"run.dir {run_dir} cannot be created or written {why}")
+    assert str(e.value).endswith("; choose another run.dir")
+
+
+def test_finetuning_without_training_examples_is_one_line_under_torchrun(tmp_path):
+    (tmp_path / "SST-2").mkdir()
+    (tmp_path / "SST-2" / "train.tsv").write_text("sentence\tlabel\n")  # the header, no example
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "pretrain.finetune", "--config", "configs/finetune/sst2.yaml", "init=unused",
+                           f"data.dir={tmp_path / 'SST-2'}", f"run.dir={tmp_path / 'run'}"],
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    expected = (f"pretrain.finetune: error: task sst2: {tmp_path / 'SST-2' / 'train.tsv'} gives 0 training examples, "
+                "fewer than one micro batch on every DP rank: train.micro_batch (16) x DP (2) = 32; add examples or "
+                "lower train.micro_batch")
+    # our lines and any exception's (torchrun's own report of the exit codes aside)
+    lines = [line for line in done.stderr.splitlines()
+             if "pretrain.finetune: error" in line or ("Error" in line and "ChildFailedError" not in line)]
+    # every rank refuses alike, each in one whole line (torchrun may end a rank before it prints its own)
+    assert lines in ([expected], [expected] * 2), done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr and not (tmp_path / "run").exists()
 
 
 def test_a_config_that_is_not_utf8(tmp_path):

@@ -87,7 +87,7 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
     the shard: a garbled member header ends a tar stream silently, so the index's count is what reveals it.
     """
     errors: list[Exception] = []
-    n = 0
+    n = empty = 0
     for sample in read_packs(url, errors.append):
         first, n = n, n + num_pack_documents(sample)
         if n <= skip_docs:
@@ -102,7 +102,10 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
             # ids the embedding does not hold: an IndexError at TP 1, silently zero embeddings at TP > 1
             raise UsageError(f"shard {redact(url)} holds token id {int(tokens.max())}, beyond the {spec.num_ids} ids of "
                              "data.tokenizer: it was prepared with another tokenizer; prepare it again with this one")
+        empty += int((lengths == 0).sum())
         yield first, tokens, lengths
+    if empty:
+        log.warning("skipped %d empty documents (no tokens) of shard %s", empty, redact(url))
     expected = spec.expected_docs[spec.shards.index(url)] if spec.expected_docs else None
     if errors or (expected is not None and n < expected):
         damaged[0] += 1
@@ -111,14 +114,20 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
 
 
 def _with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the pack's documents each followed by EOS, int32, start of each document in it plus the end)."""
-    eos_at = np.cumsum(lengths) + np.arange(len(lengths))  # document i's EOS follows i earlier EOS
-    flat = np.empty(len(tokens) + len(lengths), dtype=np.int32)
+    """(the pack's documents each followed by EOS, int32, start of each document in it plus the end).
+
+    An empty document adds nothing, not even an EOS (shards of other tools or older versions may hold them; a
+    stream of them alone would be EOS after EOS, which the loss learns to predict while learning nothing); it
+    keeps its index, starting where the next document starts, so positions stay document counts of the shard.
+    """
+    ends = np.cumsum(lengths + (lengths > 0))  # document i's end, its EOS included
+    eos_at = ends[lengths > 0] - 1
+    flat = np.empty(len(tokens) + len(eos_at), dtype=np.int32)
     is_token = np.ones(len(flat), dtype=bool)
     is_token[eos_at] = False
     flat[is_token], flat[eos_at] = tokens, eos_id
     starts = np.empty(len(lengths) + 1, dtype=np.int64)
-    starts[0], starts[1:] = 0, eos_at + 1
+    starts[0], starts[1:] = 0, ends
     return flat, starts
 
 
@@ -177,8 +186,10 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
                 yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
             nxt = 0
         if not produced:
+            names = ", ".join(redact(s) for s in shards[:3]) + (", ..." if len(shards) > 3 else "")
             raise UsageError(f"data stream {stream} has no readable data in its {len(shards)} shards "
-                             f"(all damaged or empty: {redact(shards[0])}, ...); check data.train")
+                             f"({names}): damaged, empty, only empty documents, or less than one chunk of "
+                             f"{spec.raw_length} tokens; check data.train")
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
 
