@@ -169,7 +169,7 @@ def damaged_parts(path: Path, rank: int = 0, world: int = 1) -> list[str]:
         return []
     mine = mismatched(path, files, _share(files, rank, world))
     if world == 1:
-        return mine
+        return sorted(mine)  # the share is ordered by size; messages name files in name order
     everyone: list[list[str]] = [[] for _ in range(world)]
     dist.all_gather_object(everyone, mine)
     return sorted(p for found in everyone for p in found)
