@@ -4,13 +4,17 @@ engine (optimizer, ZeRO over the data-parallel group, precision, clipping, LR sc
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.config import TrainConfig, ZeroConfig
+from pretrain.model.pretrained import open_weights
+from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
 from pretrain.parallel import deepspeed_mpu
 from pretrain.schedule import SCHEDULES, build_scheduler
 
@@ -162,3 +166,21 @@ def build_engine(
         ds_config["gradient_accumulation_steps"], dp,
     )
     return engine
+
+
+@torch.no_grad()
+def load_master_weights(engine: deepspeed.DeepSpeedEngine, folder: str | Path, resize_vocab: bool = False) -> None:
+    """Start the optimizer's fp32 master weights from `folder`'s fp32 values. In bf16 or fp16, DeepSpeed casts the
+    module first and builds the master copy from the cast (BF16_Optimizer, ZeRO's fp32 partitions), so weights
+    loaded before `build_engine` would train on from their rounded values; fp32 needs nothing. Reads the folder
+    again, one parameter at a time."""
+    if not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        return
+    model = engine.module
+    with open_weights(model, folder, resize_vocab=resize_vocab) as (_, tensors):
+        for name, param, full in tensors:
+            master = safe_get_full_fp32_param(param)
+            if master is None:  # a frozen parameter has no master copy: it stays as the module holds it
+                continue
+            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None, into=master)
+            safe_set_full_fp32_param(param, master)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from pretrain.config import Config, load_config
-from pretrain.export import load_pretrained, read_export, write_export
+from pretrain.export import load_pretrained, write_export
 from pretrain.finetune import ExampleStream, collate
 from pretrain.model import IGNORE_INDEX, build_local_model
+from pretrain.model.pretrained import export_config
 from pretrain.faults import EXIT_PREEMPTED
 from tests.distributed import run_distributed
 
@@ -30,8 +31,7 @@ def _start_at_tp2(rank, world, export_dir):
     from pretrain.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=2), seed=0)
-    cfg, state = read_export(export_dir)
-    model = build_from_export(cfg, state, freeze_mixture=True).eval()
+    model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=True).eval()
     ids = torch.arange(2, 22).view(2, 10)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
@@ -174,7 +174,7 @@ def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, po
                      f"data.dir={polarity_dir}", f"run.dir={run}", "parallel.tensor=2", processes=2)
     results = json.loads((run / "results.json").read_text())
     # the reference: the same fine-tuning (data, seed, steps) from a random initialisation of the same model
-    model_cfg, _ = read_export(export_dir)
+    model_cfg = export_config(export_dir)
     torch.manual_seed(TINY.run.seed)
     random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
     _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={random_init}",
