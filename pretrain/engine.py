@@ -9,7 +9,7 @@ from typing import Any
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+from deepspeed.utils import safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.config import TrainConfig, ZeroConfig
@@ -170,17 +170,19 @@ def build_engine(
 
 @torch.no_grad()
 def load_master_weights(engine: deepspeed.DeepSpeedEngine, folder: str | Path, resize_vocab: bool = False) -> None:
-    """Start the optimizer's fp32 master weights from `folder`'s fp32 values. In bf16 or fp16, DeepSpeed casts the
-    module first and builds the master copy from the cast (BF16_Optimizer, ZeRO's fp32 partitions), so weights
-    loaded before `build_engine` would train on from their rounded values; fp32 needs nothing. Reads the folder
-    again, one parameter at a time."""
+    """Start the optimizer's fp32 master weights from `folder`'s fp32 values. In bf16 or fp16 DeepSpeed casts the
+    module and builds the master copy from the cast (BF16_Optimizer, ZeRO's fp32 partitions), so weights loaded
+    before `build_engine` would train on from their rounded values; in fp32 they are the module's own. Reads the
+    folder again, one parameter at a time; each DP rank sets its own fragments (no collective)."""
     if not (engine.bfloat16_enabled() or engine.fp16_enabled()):
         return
     model = engine.module
     with open_weights(model, folder, resize_vocab=resize_vocab) as (_, tensors):
         for name, param, full in tensors:
-            master = safe_get_full_fp32_param(param)
-            if master is None:  # a frozen parameter has no master copy: it stays as the module holds it
+            if not param.requires_grad:  # a frozen parameter has no master copy: the module's value is used
                 continue
-            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None, into=master)
-            safe_set_full_fp32_param(param, master)
+            value = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
+            if value.shape == param.shape:  # not a ZeRO 3 partition: rows a resized vocabulary leaves keep theirs
+                value.copy_(param)
+            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None, into=value)
+            safe_set_full_fp32_param(param, value)
