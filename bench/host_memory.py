@@ -1,7 +1,8 @@
 """Peak host memory (resident set) of the start-ups that read a whole model, against the model's fp32 bytes, each
 in a fresh process and counted from the resident set after its imports:
 - fine-tuning's start-up: an export into the model built on the rank's device (`pretrain.finetune.build_from_export`,
-  one tensor at a time through `pretrain.model.pretrained`); on CPU the model itself is host memory (1x);
+  one tensor at a time through `pretrain.model.pretrained`), next to building that model alone: on the CPU the
+  model itself is host memory, so what loading costs is the difference;
 - export: a training checkpoint into an export folder (`pretrain.export.export`).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.host_memory --tokenizer SPIECE [--d-model 1024 --d-ff 2816
@@ -31,14 +32,16 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
     """In this (fresh) process: the resident set after imports, the peak after them, and the model's bytes."""
     from pretrain.export import export
     from pretrain.finetune import build_from_export
+    from pretrain.model import build_model
     from pretrain.model.pretrained import export_config
     from pretrain.parallel import init_single_process
 
     init_single_process()
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the resident set now
     imports = _status("VmRSS")
-    if what == "finetune":
-        model = build_from_export(export_config(source), source, freeze_mixture=False)
+    if what in ("build", "finetune"):
+        cfg = export_config(source)
+        model = build_model(cfg) if what == "build" else build_from_export(cfg, source, freeze_mixture=False)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         out = export(source, output)
@@ -67,7 +70,7 @@ def main() -> None:
     parser.add_argument("--d-ff", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=12, help="encoder and decoder layers each")
     parser.add_argument("--run", default="", help="a run folder whose newest checkpoint to export as well")
-    parser.add_argument("--measure", choices=("finetune", "export"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=("build", "finetune", "export"), help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -86,7 +89,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         out = write_export(build_local_model(cfg), Path(args.tokenizer), Path(tmp) / "export")
-        print(_line("fine-tuning start-up", measure("finetune", out)))
+        print(_line("the model built alone (random init)", measure("build", out)))
+        print(_line("fine-tuning start-up (built, then the export read in)", measure("finetune", out)))
         if args.run:
             print(_line("export", measure("export", args.run, Path(tmp) / "run-export")))
 

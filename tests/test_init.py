@@ -98,7 +98,9 @@ def test_random_vanilla_loads_the_t5_parts_and_draws_the_synthesizer_parts_from_
     for ours in report["fresh"]:
         layer = ours.split(".attn.")
         hf_name = layer[0].replace("layers", "block") + ".layer.0.SelfAttention." + layer[1]
-        assert torch.equal(exported[hf_name], again[hf_name]) and torch.equal(exported[hf_name], drawn[ours]), ours
+        # (the zero-initialised mixture logits do move, by lr = 1e-21)
+        assert torch.equal(exported[hf_name], again[hf_name]), ours
+        assert torch.allclose(exported[hf_name], drawn[ours], rtol=0, atol=1e-18), ours
 
 
 def test_a_vocabulary_of_another_size_is_refused(init_runs):

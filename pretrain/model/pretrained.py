@@ -87,19 +87,20 @@ class LoadReport:
 
 
 class WeightFolder:
-    """A folder's tensors by name, each read on demand from its file (opened once, read one tensor at a time)."""
+    """A folder's tensors by name, each read on demand from its file. The file is opened for each tensor:
+    safe_open maps the whole file, and the pages a read touches stay in the resident set until it is closed
+    (with one open handle, loading a model left the folder's size in RSS)."""
 
-    def __init__(self, folder: Path, files: contextlib.ExitStack) -> None:
-        self.folder, self.where = folder, {}
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.where, self.shapes = folder, {}, {}
         for path in weight_files(folder):
-            handle = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            self.where.update({name: handle for name in handle.keys()})
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.where[name].get_slice(name).get_shape())
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    self.where[name], self.shapes[name] = path, tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str) -> torch.Tensor:
-        return self.where[name].get_tensor(name).float()
+        with safe_open(str(self.where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name).float()
 
 
 def _source(name: str, vanilla: dict[str, Source]) -> Source:
@@ -122,7 +123,7 @@ def _fits(weights: WeightFolder, names: tuple[str, ...], combine, expected: tupl
     if not all(n in weights.where for n in names):
         return False
     try:
-        shape = tuple(combine([torch.empty(weights.shape(n), device="meta") for n in names]).shape)
+        shape = tuple(combine([torch.empty(weights.shapes[n], device="meta") for n in names]).shape)
     except RuntimeError:  # a view the shapes do not allow: another layout
         return False
     return shape[1:] == expected[1:] if vocab else shape == expected
@@ -138,7 +139,7 @@ def _plan(model: T5Model, weights: WeightFolder, resize_vocab: bool) -> tuple[di
             fresh.append(name)
             continue
         if vocab:
-            rows[name] = weights.shape(names[0])[0]
+            rows[name] = weights.shapes[names[0]][0]
             if rows[name] != model.config.vocab_size and not resize_vocab:
                 raise UsageError(
                     f"{weights.folder} has {rows[name]} token rows in {names[0]}, the model {model.config.vocab_size} "
@@ -175,15 +176,14 @@ def open_weights(model: T5Model, folder: str | Path, strict: bool = False, resiz
     """(what will be loaded, an iterator of (our name, parameter, its full TP 1 fp32 value from `folder`, on the
     host), one parameter at a time, for the parameters the folder fits). `strict`: every parameter must come
     from the folder (as a model built on `meta` and moved with `to_empty` needs)."""
-    with contextlib.ExitStack() as files:
-        weights = WeightFolder(Path(folder), files)
-        plan, report = _plan(model, weights, resize_vocab)
-        if not report.loaded or (strict and report.fresh):
-            raise UsageError(f"{folder} does not match the model config: missing {report.fresh[:3]}, unexpected "
-                             f"{report.unused[:3]} (compare model.* with its {CONFIG})")
-        params = dict(model.named_parameters())
-        yield report, ((name, params[name], combine([weights.read(n) for n in sources]))
-                       for name, (sources, combine) in plan.items())
+    weights = WeightFolder(Path(folder))
+    plan, report = _plan(model, weights, resize_vocab)
+    if not report.loaded or (strict and report.fresh):
+        raise UsageError(f"{folder} does not match the model config: missing {report.fresh[:3]}, unexpected "
+                         f"{report.unused[:3]} (compare model.* with its {CONFIG})")
+    params = dict(model.named_parameters())
+    yield report, ((name, params[name], combine([weights.read(n) for n in sources]))
+                   for name, (sources, combine) in plan.items())
 
 
 @torch.no_grad()
