@@ -159,6 +159,8 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class Config:
+    init: str = ""  # start from these weights: an export (pretrain.export) or a HuggingFace T5 v1.1 folder
+    init_resize_vocab: bool = False  # init: keep the token rows that fit a vocabulary of another size or tokenizer
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)

@@ -4,13 +4,17 @@ engine (optimizer, ZeRO over the data-parallel group, precision, clipping, LR sc
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.utils import safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.config import TrainConfig, UsageError, ZeroConfig
+from pretrain.model.pretrained import open_weights
+from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
 from pretrain.parallel import deepspeed_mpu
 from pretrain.schedule import SCHEDULES, build_scheduler
 
@@ -172,3 +176,23 @@ def build_engine(
         ds_config["gradient_accumulation_steps"], dp,
     )
     return engine
+
+
+@torch.no_grad()
+def load_master_weights(engine: deepspeed.DeepSpeedEngine, folder: str | Path, resize_vocab: bool = False) -> None:
+    """Start the optimizer's fp32 master weights from `folder`'s fp32 values. In bf16 or fp16 DeepSpeed casts the
+    module and builds the master copy from the cast (BF16_Optimizer, ZeRO's fp32 partitions), so weights loaded
+    before `build_engine` would train on from their rounded values; in fp32 they are the module's own. Reads the
+    folder again, one parameter at a time; each DP rank sets its own fragments (no collective)."""
+    if not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        return
+    model = engine.module
+    with open_weights(model, folder, resize_vocab=resize_vocab) as (_, tensors):
+        for name, param, full in tensors:
+            if not param.requires_grad:  # a frozen parameter has no master copy: the module's value is used
+                continue
+            value = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
+            if value.shape == param.shape:  # not a ZeRO 3 partition: rows a resized vocabulary leaves keep theirs
+                value.copy_(param)
+            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None, into=value)
+            safe_set_full_fp32_param(param, value)

@@ -13,7 +13,7 @@ attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every fi
 Output (written to OUT.tmp, renamed to OUT only when complete, removed on a failure such as a full disk): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
-mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `read_export`
+mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `export_config`
 checks); `generation_config.json`; `README.md` (the model card); `spiece.model` (the tokenizer the model was
 trained with: the checkpoint's copy, checked against the sha256 in its inputs.json), `tokenizer.json` and
 `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
@@ -44,7 +44,7 @@ import torch
 import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
@@ -53,21 +53,21 @@ from pretrain.faults import run_with_exit_codes
 from pretrain.manifest import check_intact, complete_steps, describe, mismatched, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.attention import parse_mixers
-from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from pretrain.model.hf_convert import hf_config, to_hf_state_dict, vanilla_layout
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+from pretrain.model.pretrained import (INDEX, LAYER, SPIECE, export_config, load_weights, self_attention_hf_name,
+                                      weight_files)
 from pretrain.model.sharding import VOCAB_PARAMETERS
 from pretrain.model_card import model_card
 from pretrain.progress import progress
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
-SPIECE, CARD = "spiece.model", "README.md"
+CARD = "README.md"
 MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default split (transformers 5's save_pretrained says 50GB: xxl in one file)
 REMOTE_CODE_DIR = Path(__file__).parent / "model" / "hf_synthesizer"
 REMOTE_CODE = ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py")
 _CREDENTIALS = re.compile(r"//[^/@\s]*@")  # user:password@ in a shard URL
-_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.attn\.(.+)$")
 _HF_LAYER = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.(.+)$")
 _MP_RANK = re.compile(r"mp_rank_(\d+)_")
 _DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
@@ -205,10 +205,6 @@ def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, torch.Tens
 # --------------------------------------------------------------------------------------------------------
 # Our names <-> HuggingFace's T5 layout (Synthesizer parameters under the HF self-attention module)
 # --------------------------------------------------------------------------------------------------------
-def _vanilla(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, encoder_attention="vanilla", decoder_attention="vanilla")
-
-
 def _qkv_free_stacks(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(s for s in ("encoder", "decoder") if "vanilla" not in parse_mixers(getattr(cfg, f"{s}_attention")))
 
@@ -218,9 +214,9 @@ def to_export_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
     h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
     common, extra = {}, {}
     for name, t in state.items():
-        m = _LAYER.match(name)
+        m = LAYER.match(name)
         if m and m.group(3) not in ("qkv.weight", "o.weight", "v.weight"):
-            extra[f"{m.group(1)}.block.{m.group(2)}.layer.0.SelfAttention.{m.group(3)}"] = t.clone()
+            extra[self_attention_hf_name(name)] = t.clone()
         elif m and m.group(3) == "v.weight":
             # a layer without dot-product attention: give the converter zero Q/K rows, keep only V
             zeros = torch.zeros(h, 2, dkv, d, dtype=t.dtype)
@@ -228,29 +224,11 @@ def to_export_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
             common[name.replace("v.weight", "qkv.weight")] = qkv.reshape(3 * h * dkv, d)
         else:
             common[name] = t
-    hf = to_hf_state_dict(common, _vanilla(cfg))
+    hf = to_hf_state_dict(common, vanilla_layout(cfg))
     for stack in _qkv_free_stacks(cfg):
         for key in [k for k in hf if _HF_LAYER.match(k) and k.startswith(stack) and k.endswith(("q.weight", "k.weight"))]:
             del hf[key]
     return {**hf, **extra}
-
-
-def from_export_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of `to_export_state_dict`: HF T5 names back to our parameter names."""
-    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
-    common, extra = dict(hf), {}
-    for name in list(common):
-        m = _HF_LAYER.match(name)
-        if m and m.group(3) not in ("q.weight", "k.weight", "v.weight", "o.weight", "relative_attention_bias.weight"):
-            extra[f"{m.group(1)}.layers.{m.group(2)}.attn.{m.group(3)}"] = common.pop(name)
-    qkv_free = _qkv_free_stacks(cfg)
-    for name in [k for k in common if k.endswith("SelfAttention.v.weight") and k.startswith(qkv_free)]:
-        for proj in ("q", "k"):
-            common[name.replace(".v.weight", f".{proj}.weight")] = torch.zeros(h * dkv, d)
-    ours = from_hf_state_dict(common, _vanilla(cfg))
-    for name in [k for k in ours if k.endswith("attn.qkv.weight") and k.startswith(qkv_free)]:
-        ours[name.replace("qkv.weight", "v.weight")] = ours.pop(name).view(h, 3, dkv, d)[:, 2].reshape(h * dkv, d)
-    return {**ours, **extra}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -275,20 +253,6 @@ def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_size: i
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of an export: the shards its index names, else model.safetensors."""
-    if (folder / INDEX).is_file():
-        names = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
-    else:
-        files = [folder / WEIGHTS]
-    for f in files:
-        if not f.is_file():
-            raise UsageError(f"{folder} is not a complete export folder: {f.name} is missing "
-                             f"(make one with python -m pretrain.export)")
-    return files
 
 
 def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype = torch.float32,
@@ -346,8 +310,8 @@ def _write_folder(model: T5Model, spiece: Path, tmp: Path, output_name: str, dty
     else:
         config.architectures = ["T5ForConditionalGeneration"]
     write_tokenizer(spiece, tmp)
-    # sizes and crc32 of the weights and the tokenizer, checked by read_export (fine-tuning, evaluation)
-    files = describe(tmp, [*_weight_files(tmp), tmp / SPIECE])
+    # sizes and crc32 of the weights and the tokenizer, checked by pretrained.export_config (fine-tuning, evaluation)
+    files = describe(tmp, [*weight_files(tmp), tmp / SPIECE])
     config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {},
                           "files": files}
     config.dtype = str(dtype).removeprefix("torch.")
@@ -419,25 +383,6 @@ def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
     return spiece
 
 
-def read_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, full fp32 state dict in our names) of an export folder, sharded or not."""
-    folder = Path(folder)
-    for part in (CONFIG, SPIECE):
-        if not (folder / part).is_file():
-            raise UsageError(f"{folder} is not an export folder: {part} is missing (make one with python -m pretrain.export)")
-    config = json.loads((folder / CONFIG).read_text())
-    if "synthesizer" not in config:
-        raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
-    cfg = ModelConfig(**config["synthesizer"]["model"])
-    files = _weight_files(folder)
-    if "files" not in config["synthesizer"]:
-        log.warning("%s lists no checksums (exported before they were recorded): its files are not checked", folder)
-    elif damaged := mismatched(folder, config["synthesizer"]["files"]):
-        raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
-    hf = {k: v.float() for f in files for k, v in load_file(str(f)).items()}
-    return cfg, from_export_state_dict(hf, cfg)
-
-
 def _tp1_model(cfg: ModelConfig, read: Callable[[T5Model], dict[str, torch.Tensor]]) -> T5Model:
     """A TP 1 model on the CPU whose parameters are the tensors `read(meta_model)` returns (the full state, as
     `full_state_dict` gives it), not copies: the weights are in memory once, and nothing is drawn at random."""
@@ -449,8 +394,9 @@ def _tp1_model(cfg: ModelConfig, read: Callable[[T5Model], dict[str, torch.Tenso
 def load_pretrained(folder: str | Path) -> T5Model:
     """Our model (TP = 1, CPU, eval mode) from an export folder; `model(input_ids=..., attention_mask=...,
     decoder_input_ids=...)` returns an object with `.logits`."""
-    cfg, state = read_export(folder)
-    return _tp1_model(cfg, lambda meta: state).eval()
+    model = build_local_model(export_config(folder), device="meta").to_empty(device="cpu")
+    load_weights(model, folder, strict=True)  # one parameter at a time into the model's own memory
+    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:

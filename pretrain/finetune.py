@@ -30,15 +30,14 @@ import yaml
 from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
 from pretrain.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
                              TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
-from pretrain.engine import build_engine, num_accumulation_steps
+from pretrain.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.evaluate import METHODS, evaluate_task, input_limit, write_results
-from pretrain.export import read_export
 from pretrain.faults import EXIT_OK, run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
 from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.metrics import MetricsLogger
-from pretrain.model import (IGNORE_INDEX, T5Model, build_model, load_full_state_dict, universal_checkpoint_info,
-                            with_vocab)
+from pretrain.model import IGNORE_INDEX, T5Model, build_model, universal_checkpoint_info, with_vocab
+from pretrain.model.pretrained import export_config, load_weights
 from pretrain.parallel import init_distributed
 from pretrain.tasks import Example, get_task
 from tokenizer.spm import Tokenizer
@@ -152,13 +151,13 @@ def tokenize(examples: list[Example], tokenizer: Tokenizer, max_input_length: in
     return [(i[: max_input_length - 1] + [eos], t + [eos]) for i, t in zip(inputs, targets)]
 
 
-def build_from_export(model_cfg: ModelConfig, full_state: dict[str, torch.Tensor], freeze_mixture: bool,
+def build_from_export(model_cfg: ModelConfig, folder: str | Path, freeze_mixture: bool,
                       activation_checkpointing: str | bool = "none", compile: bool = False,
                       device: torch.device | str = "cpu") -> T5Model:
-    """This rank's TP shard of the exported model on `device` (every TP size: the full weights are sliced here,
-    one parameter at a time, so the host holds the export's weights but no copy of the model)."""
+    """This rank's TP shard of the exported model on `device` (every TP size), read one parameter at a time
+    (pretrain.model.pretrained): the host never holds the model."""
     model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile, device=device)
-    load_full_state_dict(model, full_state)
+    load_weights(model, folder, strict=True)
     if freeze_mixture:
         for name, param in model.named_parameters():
             if name.endswith(".attn.mix"):
@@ -214,8 +213,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
     lock = acquire_run_lock(run_dir, dims)
     try:
-        model_cfg, full_state = read_export(cfg.init)
-        model_cfg = dataclasses.replace(model_cfg, dropout=cfg.task.dropout)
+        model_cfg = dataclasses.replace(export_config(cfg.init), dropout=cfg.task.dropout)
         spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
         tokenizer = Tokenizer(spiece)
@@ -227,10 +225,12 @@ def finetune(cfg: FinetuneConfig) -> int:
         inputs = RunInputs.of(spiece)
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
         plan = prepare_resume(resume, model_cfg, inputs, dims, cfg.parallel.timeout_s) if resume else None
-        model = build_from_export(model_cfg, full_state, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
+        model = build_from_export(model_cfg, cfg.init, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
                                   cfg.train.compile, dims.device)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
+        if not plan:  # a resume restores its own master weights
+            load_master_weights(engine, cfg.init)
 
         # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------
         stream = ExampleStream(tokenize(examples, tokenizer, max_input_length), cfg.train.micro_batch,

@@ -1,7 +1,8 @@
 """Pretraining: `torchrun --nproc-per-node N -m pretrain.train --config FILE [section.key=value ...]` (or
 `srun python -m pretrain.train ...`). `train` is the setup, top to bottom: process groups, checks, the run lock,
-tokenizer, checkpoint to resume, model and DeepSpeed engine, data (train stream and the fixed validation slice,
-both opened now), restore; then the shared loop (`pretrain.loop.run_loop`). Exit codes are in pretrain.faults.
+tokenizer, checkpoint to resume, model (random, or from `init=` weights) and DeepSpeed engine, data (train stream
+and the fixed validation slice, both opened now), restore; then the shared loop (`pretrain.loop.run_loop`). Exit
+codes are in pretrain.faults.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ if __name__ == "__main__":  # answer --help before the heavy imports below (torc
     exit_on_help("Config", prog="pretrain.train")
 
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,17 +21,18 @@ import yaml
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
+from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume, write_atomic
 from pretrain.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards
-from pretrain.engine import build_engine
+from pretrain.engine import build_engine, load_master_weights
 from pretrain.faults import run_with_exit_codes
 from pretrain.jobs import acquire_run_lock, check_precision, init_logging
 from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.metrics import MetricsLogger, peak_flops
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
+from pretrain.model.pretrained import check_init_folder, load_weights
 from pretrain.parallel import ParallelDims, init_distributed
 from pretrain.plan import check_job, check_memory, with_layout
 from tokenizer.spm import Tokenizer
@@ -62,6 +65,16 @@ class ValidationLoss:
         return result
 
 
+def start_from_init(model: torch.nn.Module, cfg: Config, dims: ParallelDims, run_dir: Path) -> None:
+    """`init=`'s weights into the freshly built model: what fits is loaded, the rest keeps its draw from the run's
+    seed; the lists go to the log and to run.dir/init.json."""
+    report = load_weights(model, cfg.init, resize_vocab=cfg.init_resize_vocab)
+    log.info("init %s: %d tensors loaded, %d fresh (%s), %d of the folder unused", cfg.init, len(report.loaded),
+             len(report.fresh), ", ".join(report.fresh) or "none", len(report.unused))
+    if dims.rank == 0:
+        write_atomic(run_dir / "init.json", json.dumps(dataclasses.asdict(report), indent=1) + "\n")
+
+
 def train(cfg: Config) -> int:
     # 1. Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
     #    (pretrain.plan.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory estimate
@@ -75,6 +88,8 @@ def train(cfg: Config) -> int:
     cfg = with_layout(cfg, layout)  # train.micro_batch: auto -> the number the layout chose
     if gpu_memory is not None:
         check_memory(cfg, layout, gpu_memory)
+    if cfg.init:
+        check_init_folder(Path(cfg.init), cfg.model, Path(cfg.data.tokenizer), cfg.init_resize_vocab)
     run_dir = Path(cfg.run.dir)
     lock = acquire_run_lock(run_dir, dims)
     try:
@@ -85,11 +100,17 @@ def train(cfg: Config) -> int:
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
         plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s) if resume else None
 
-        # 4. Model (this rank's TP shard, identical full init on every rank, built on its device) and the engine
+        # 4. Model (this rank's TP shard, identical full init on every rank, built on its device), then `init`'s
+        #    weights unless this run resumes its own checkpoint (a requeue continues), and the engine, whose
+        #    bf16/fp16 master weights start from init's fp32 values, not from the cast module -------------------
         model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
                             compile=cfg.train.compile, device=dims.device)
+        if cfg.init and not plan:
+            start_from_init(model, cfg, dims, run_dir)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
+        if cfg.init and not plan:
+            load_master_weights(engine, cfg.init, cfg.init_resize_vocab)
 
         # 5. Data: this DP rank's stream of span-corrupted micro batches; the validation slice, read now so a bad
         #    file fails before hours of training ------------------------------------------------------------------

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from pretrain.config import Config, load_config
-from pretrain.export import load_pretrained, read_export, write_export
+from pretrain.export import load_pretrained, write_export
 from pretrain.finetune import ExampleStream, collate
-from pretrain.model import IGNORE_INDEX, build_local_model
+from pretrain.model import IGNORE_INDEX, build_local_model, full_state_dict
+from pretrain.model.pretrained import export_config
 from pretrain.faults import EXIT_PREEMPTED
 from tests.distributed import run_distributed
 
@@ -30,8 +31,7 @@ def _start_at_tp2(rank, world, export_dir):
     from pretrain.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=2), seed=0)
-    cfg, state = read_export(export_dir)
-    model = build_from_export(cfg, state, freeze_mixture=True).eval()
+    model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=True).eval()
     ids = torch.arange(2, 22).view(2, 10)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
@@ -63,6 +63,54 @@ def test_finetuning_starts_from_the_export_at_tp2(tmp_path, tokenizer_model):
     assert ((logits[..., :1100] - expected[..., :1100]).abs().max() / expected.abs().max()).item() < 1e-5
     # the padding rows take no probability at any TP: masked to the dtype's minimum
     assert (logits[..., 1100:] == torch.finfo(logits.dtype).min).all()
+
+
+def _master_weights(rank, world, export_dir):
+    """Per ZeRO stage, the bf16 engine's fp32 master weights right after fine-tuning's start-up (DP 2)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from pretrain.config import ParallelConfig, TrainConfig, ZeroConfig
+    from pretrain.engine import build_engine, load_master_weights
+    from pretrain.finetune import build_from_export
+    from pretrain.parallel import init_distributed
+
+    init_distributed(ParallelConfig(backend="gloo"), seed=0)
+    masters = {}
+    for stage in (1, 2):
+        model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=False)
+        engine = build_engine(model, TrainConfig(micro_batch=1, global_batch=world), ZeroConfig(stage=stage), "bf16",
+                              world)
+        load_master_weights(engine, export_dir)
+        masters[stage] = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+    return masters
+
+
+def test_bf16_finetuning_starts_its_master_weights_from_the_exports_fp32_values(tmp_path, tokenizer_model):
+    # DeepSpeed builds the fp32 master copy from the module it has cast to bf16; the export's values, which
+    # bf16 cannot hold (8 mantissa bits), must be the master's exactly, for BF16_Optimizer (ZeRO 1) and ZeRO 2
+    torch.manual_seed(0)
+    out = write_export(build_local_model(TINY.model), Path(tokenizer_model), tmp_path / "export")
+    expected = full_state_dict(load_pretrained(out))
+    for stage, master in run_distributed(_master_weights, 2, str(out))[0].items():
+        for name, value in master.items():
+            rows = len(expected[name])  # the vocabulary parameters: token rows, then zero padding
+            assert torch.equal(value[:rows], expected[name]) and not value[rows:].any(), (stage, name)
+
+
+def test_finetuning_start_up_holds_the_model_once_on_the_host(tmp_path, tokenizer_model):
+    # a ~40 MB export read into the model built on the CPU: the peak resident set (above the one after imports)
+    # is the model's own build plus a parameter in flight, not the whole fp32 export besides (read_export held it
+    # twice: +2x the model), nor the mapped file (one open safe_open handle: +1x)
+    from bench.host_memory import measure
+
+    cfg = dataclasses.replace(TINY.model, d_model=256, d_ff=1024, num_heads=4, d_kv=64, num_layers=4,
+                              num_decoder_layers=4)
+    torch.manual_seed(0)
+    out = write_export(build_local_model(cfg), Path(tokenizer_model), tmp_path / "export")
+    build, finetune = measure("build", out), measure("finetune", out)
+    assert finetune["model"] > 30e6
+    loading = (finetune["peak"] - finetune["imports"]) - (build["peak"] - build["imports"])
+    assert loading < 0.4 * finetune["model"], (build, finetune)
 
 
 def test_stream_splits_by_dp_rank_and_resumes():
@@ -174,7 +222,7 @@ def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, po
                      f"data.dir={polarity_dir}", f"run.dir={run}", "parallel.tensor=2", processes=2)
     results = json.loads((run / "results.json").read_text())
     # the reference: the same fine-tuning (data, seed, steps) from a random initialisation of the same model
-    model_cfg, _ = read_export(export_dir)
+    model_cfg = export_config(export_dir)
     torch.manual_seed(TINY.run.seed)
     random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
     _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={random_init}",

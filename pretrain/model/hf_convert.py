@@ -9,11 +9,17 @@ model.safetensors next to `hf_config(cfg).save_pretrained(dir)` loads with `from
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 from transformers import T5Config
 
 from pretrain.config import ModelConfig
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+
+# the HF tensors one of our parameters is made of, and how they combine into it
+Source = tuple[tuple[str, ...], Callable[[list[torch.Tensor]], torch.Tensor]]
 
 
 def hf_config(cfg: ModelConfig) -> T5Config:
@@ -39,6 +45,11 @@ def hf_config(cfg: ModelConfig) -> T5Config:
     # ties anyway; a checkpoint whose lm_head differs from `shared` is loaded untied by from_pretrained
     assert not config.scale_decoder_outputs
     return config
+
+
+def vanilla_layout(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with dot-product self-attention everywhere: the T5 layout of a Synthesizer model's shared parts."""
+    return dataclasses.replace(cfg, encoder_attention="vanilla", decoder_attention="vanilla")
 
 
 def _check_vanilla(cfg: ModelConfig) -> None:
@@ -100,20 +111,31 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return out
 
 
+def hf_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """Our parameter name -> (the HF tensors it is made of, how they combine), for a vanilla model: the one
+    statement of the HF -> ours layout, applied to a whole state dict (`from_hf_state_dict`) or one tensor at a
+    time (pretrain.model.pretrained)."""
+    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
+
+    def heads(ts: list[torch.Tensor]) -> torch.Tensor:  # q, k, v (or k, v) [heads x d_kv, d] -> [head, (q, k, v), d_kv] rows
+        return torch.stack([t.view(h, dkv, d) for t in ts], dim=1).reshape(len(ts) * h * dkv, d)
+
+    def one(ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0]
+
+    out: dict[str, Source] = {ours: ((hf,), one) for ours, hf in _pairs(cfg)}
+    for stack in ("encoder", "decoder"):
+        out[f"{stack}.relative_bias.weight"] = (  # HF's [buckets, heads] -> ours [heads, buckets]
+            (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",), lambda ts: ts[0].t().contiguous())
+    for stack, ours, hf, ffn in _layers(cfg):
+        out[f"{ours}.attn.qkv.weight"] = (tuple(f"{hf}.0.SelfAttention.{n}.weight" for n in "qkv"), heads)
+        out[f"{ours}.ffn.wi.weight"] = ((f"{hf}.{ffn}.DenseReluDense.wi_0.weight",
+                                         f"{hf}.{ffn}.DenseReluDense.wi_1.weight"), torch.cat)
+        if stack == "decoder":
+            out[f"{ours}.cross.kv.weight"] = (tuple(f"{hf}.1.EncDecAttention.{n}.weight" for n in "kv"), heads)
+    return out
+
+
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     _check_vanilla(cfg)
-    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
-    out = {ours: hf_state[hf].clone() for ours, hf in _pairs(cfg)}
-    for stack in ("encoder", "decoder"):
-        bias = hf_state[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        out[f"{stack}.relative_bias.weight"] = bias.t().contiguous()
-    for stack, ours, hf, ffn in _layers(cfg):
-        qkv = [hf_state[f"{hf}.0.SelfAttention.{n}.weight"].view(h, dkv, d) for n in "qkv"]
-        out[f"{ours}.attn.qkv.weight"] = torch.stack(qkv, dim=1).reshape(3 * h * dkv, d)
-        out[f"{ours}.ffn.wi.weight"] = torch.cat(
-            [hf_state[f"{hf}.{ffn}.DenseReluDense.wi_0.weight"], hf_state[f"{hf}.{ffn}.DenseReluDense.wi_1.weight"]]
-        )
-        if stack == "decoder":
-            kv = [hf_state[f"{hf}.1.EncDecAttention.{n}.weight"].view(h, dkv, d) for n in "kv"]
-            out[f"{ours}.cross.kv.weight"] = torch.stack(kv, dim=1).reshape(2 * h * dkv, d)
-    return out
+    return {ours: combine([hf_state[n] for n in names]) for ours, (names, combine) in hf_sources(cfg).items()}

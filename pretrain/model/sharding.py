@@ -62,6 +62,26 @@ def full_state_dict(model: nn.Module, grads: bool = False, clone: bool = True) -
 
 
 @torch.no_grad()
+def copy_full_parameter(param: torch.Tensor, full: torch.Tensor, vocab_size: int | None = None,
+                        into: torch.Tensor | None = None) -> None:
+    """Copy a parameter's full (TP=1) value into this rank's shard of it (`into`: another tensor of the shard's
+    shape, such as its fp32 master copy; default the parameter). A vocabulary parameter (`vocab_size` given)
+    takes the first min(rows, vocab_size) token rows of `full`; rows from there up to vocab_size are left as
+    they are (a resized vocabulary keeps its fresh rows) and this TP's padding rows are zero, as the model
+    initialises them."""
+    target = param if into is None else into
+    if vocab_size is not None:  # rows split in rank order (stride 1)
+        start = parallel_state.get_tensor_model_parallel_rank() * target.shape[0]
+        end = min(start + target.shape[0], len(full), vocab_size)
+        if end > start:
+            target[: end - start].copy_(full[start:end])
+        target[max(vocab_size - start, 0):].zero_()
+        return
+    dim, stride = _split(param)
+    target.copy_(full if dim is None else _shard(full, dim, stride))
+
+
+@torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], assign: bool = False) -> None:
     """Copy a TP=1 state dict into this rank's shards (names must match exactly). Vocabulary parameters may
     come with any number of rows from the token ids up (an export, or a checkpoint gathered at another TP):
@@ -75,19 +95,18 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], assig
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if assign and tp != 1:
         raise ValueError(f"load_full_state_dict(assign=True) needs a TP 1 model, this one is TP {tp}")
+    if not assign:
+        for name, param in params.items():
+            copy_full_parameter(param, state[name], model.config.vocab_size if name in VOCAB_PARAMETERS else None)
+        return
     whole = {}
     for name, param in params.items():
         full = state[name]
         if name in VOCAB_PARAMETERS:
             ids = model.config.vocab_size
-            full = torch.cat([full[:ids], full.new_zeros(param.shape[0] * tp - ids, *full.shape[1:])])
-        dim, stride = _split(param)
-        if assign:
-            whole[name] = full
-        else:
-            param.copy_(full if dim is None else _shard(full, dim, stride))
-    if assign:
-        model.load_state_dict(whole, assign=True)
+            full = torch.cat([full[:ids], full.new_zeros(param.shape[0] - ids, *full.shape[1:])])
+        whole[name] = full
+    model.load_state_dict(whole, assign=True)
 
 
 def _pattern(name: str) -> str:

@@ -1,0 +1,203 @@
+"""Pretrained weights into a model already built on its device, one tensor at a time: an export of this project
+(`python -m pretrain.export`) or a HuggingFace T5 v1.1 folder (`config.json` + `model.safetensors`, or shards
+named by `model.safetensors.index.json`). Pretraining's `init=` and fine-tuning's `init=` both load through here.
+
+Each of our parameters is made from its HF tensors (`hf_convert.hf_sources`; a Synthesizer parameter sits under
+the HF self-attention module, as the export writes it), read with `safetensors.safe_open` in fp32, cut to this
+rank's TP slice and copied into the parameter: the host holds one full parameter at a time, never the model
+(peak host memory in docs/transfer.md). A parameter the folder lacks, or holds in another shape, keeps the
+model's own initialisation (drawn from the run's seed) and is reported as fresh.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from safetensors import safe_open
+
+from pretrain.config import ModelConfig, UsageError
+from pretrain.manifest import mismatched
+from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
+from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
+from pretrain.model.t5 import T5Model
+
+log = logging.getLogger(__name__)
+
+WEIGHTS, INDEX, CONFIG, SPIECE = "model.safetensors", "model.safetensors.index.json", "config.json", "spiece.model"
+LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.attn\.(.+)$")  # our self-attention parameters
+# HF config keys that no tensor shape shows but that change the function: (HF key, our key, T5 v1.1's value)
+_FUNCTION_KEYS = (("relative_attention_max_distance", "relative_attention_max_distance"),
+                  ("layer_norm_epsilon", "layer_norm_eps"))
+
+
+def self_attention_hf_name(name: str) -> str | None:
+    """The HF name of one of our self-attention parameters outside T5's layout (a Synthesizer part, or the V of a
+    layer without dot-product attention): `encoder.layers.3.attn.synth.random.r` ->
+    `encoder.block.3.layer.0.SelfAttention.synth.random.r`; None for other names."""
+    m = LAYER.match(name)
+    return f"{m.group(1)}.block.{m.group(2)}.layer.0.SelfAttention.{m.group(3)}" if m else None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the shards its index names, else model.safetensors."""
+    if (folder / INDEX).is_file():
+        files = [folder / name for name in sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))]
+    else:
+        files = [folder / WEIGHTS]
+    for f in files:
+        if not f.is_file():
+            raise UsageError(f"{folder} is not a complete weights folder: {f.name} is missing (an export of "
+                             f"python -m pretrain.export, or a HuggingFace T5 folder saved with save_pretrained)")
+    return files
+
+
+def _config_json(folder: Path) -> dict:
+    if not (folder / CONFIG).is_file():
+        raise UsageError(f"{folder} is not a weights folder: {CONFIG} is missing (make one with python -m "
+                         f"pretrain.export, or give a HuggingFace T5 folder)")
+    return json.loads((folder / CONFIG).read_text())
+
+
+def export_config(folder: str | Path) -> ModelConfig:
+    """The model config of one of our exports (its config.json's `synthesizer.model`), after checking the crc32 of
+    its weights and tokenizer files against the ones it lists."""
+    folder = Path(folder)
+    config = _config_json(folder)
+    if not (folder / SPIECE).is_file():
+        raise UsageError(f"{folder} is not an export folder: {SPIECE} is missing (make one with python -m pretrain.export)")
+    if "synthesizer" not in config:
+        raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
+    weight_files(folder)  # every weights file is there
+    if "files" not in config["synthesizer"]:
+        log.warning("%s lists no checksums (exported before they were recorded): its files are not checked", folder)
+    elif damaged := mismatched(folder, config["synthesizer"]["files"]):
+        raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
+    return ModelConfig(**config["synthesizer"]["model"])
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did: our parameters read from the folder, those that kept their initialisation, and the
+    folder's tensors no parameter used (HF's copies of the embedding under encoder/decoder.embed_tokens aside)."""
+    folder: str
+    loaded: list[str]
+    fresh: list[str]
+    unused: list[str]
+    vocab_rows: dict[str, int]  # the folder's token rows of the vocabulary parameters
+
+
+class WeightFolder:
+    """A folder's tensors by name, each read on demand from its file. The file is opened for each tensor:
+    safe_open maps the whole file, and the pages a read touches stay in the resident set until it is closed
+    (with one open handle, loading a model left the folder's size in RSS)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.where, self.shapes = folder, {}, {}
+        for path in weight_files(folder):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    self.where[name], self.shapes[name] = path, tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name).float()
+
+
+def _source(name: str, vanilla: dict[str, Source]) -> Source:
+    if name in vanilla:
+        return vanilla[name]
+    hf = self_attention_hf_name(name)
+    return ((hf,), lambda ts: ts[0]) if hf else ((name,), lambda ts: ts[0])
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's TP 1 shape (vocabulary parameters: any number of rows, compared apart)."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def _fits(weights: WeightFolder, names: tuple[str, ...], combine, expected: tuple[int, ...], vocab: bool) -> bool:
+    """Whether the folder's tensors exist and combine to the expected shape, judged on `meta` (nothing is read)."""
+    if not all(n in weights.where for n in names):
+        return False
+    try:
+        shape = tuple(combine([torch.empty(weights.shapes[n], device="meta") for n in names]).shape)
+    except RuntimeError:  # a view the shapes do not allow: another layout
+        return False
+    return shape[1:] == expected[1:] if vocab else shape == expected
+
+
+def _plan(model: T5Model, weights: WeightFolder, resize_vocab: bool) -> tuple[dict[str, Source], LoadReport]:
+    vanilla = hf_sources(vanilla_layout(model.config))
+    plan, fresh, rows = {}, [], {}
+    for name, param in model.named_parameters():
+        names, combine = _source(name, vanilla)
+        vocab = name in VOCAB_PARAMETERS
+        if not _fits(weights, names, combine, _full_shape(param), vocab):
+            fresh.append(name)
+            continue
+        if vocab:
+            rows[name] = weights.shapes[names[0]][0]
+            if rows[name] != model.config.vocab_size and not resize_vocab:
+                raise UsageError(
+                    f"{weights.folder} has {rows[name]} token rows in {names[0]}, the model {model.config.vocab_size} "
+                    f"(the tokenizer's ids, or model.vocab_size): set model.vocab_size={rows[name]} if it is the "
+                    f"same vocabulary padded (T5's 32128 rows for 32100 ids), or init_resize_vocab=true to keep the "
+                    f"rows that fit and draw the others fresh")
+        plan[name] = (names, combine)
+    used = {n for names, _ in plan.values() for n in names}
+    unused = sorted(n for n in weights.where if n not in used and not n.endswith("embed_tokens.weight"))
+    return plan, LoadReport(str(weights.folder), sorted(plan), fresh, unused, rows)
+
+
+def check_init_folder(folder: Path, cfg: ModelConfig, tokenizer: Path | None, resize_vocab: bool) -> None:
+    """Settings no tensor shape shows must agree (FFN activation, relative-position distance, norm epsilon), and
+    a folder that ships a tokenizer must ship the run's (unless `resize_vocab`: a vocabulary knowingly changed)."""
+    config = _config_json(folder)
+    activation = config.get("feed_forward_proj", "gated-gelu")
+    if activation != "gated-gelu":
+        raise UsageError(f"{folder / CONFIG} has feed_forward_proj '{activation}'; this model is T5 v1.1's "
+                         f"gated-gelu (T5 v1.0 checkpoints such as t5-small do not load; use a v1.1 one)")
+    for hf_key, key in _FUNCTION_KEYS:
+        if hf_key in config and config[hf_key] != getattr(cfg, key):
+            raise UsageError(f"{folder / CONFIG} has {hf_key} {config[hf_key]}, the model {getattr(cfg, key)}: "
+                             f"set model.{key}={config[hf_key]}")
+    spiece = folder / SPIECE
+    if tokenizer and spiece.is_file() and not resize_vocab and spiece.read_bytes() != tokenizer.read_bytes():
+        raise UsageError(f"{spiece} is not data.tokenizer ({tokenizer}): the token ids would mean other pieces; "
+                         f"set data.tokenizer={spiece} (and prepare the shards with it), or init_resize_vocab=true")
+
+
+@contextlib.contextmanager
+def open_weights(model: T5Model, folder: str | Path, strict: bool = False, resize_vocab: bool = False
+                 ) -> Iterator[tuple[LoadReport, Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]]]:
+    """(what will be loaded, an iterator of (our name, parameter, its full TP 1 fp32 value from `folder`, on the
+    host), one parameter at a time, for the parameters the folder fits). `strict`: every parameter must come
+    from the folder (as a model built on `meta` and moved with `to_empty` needs)."""
+    weights = WeightFolder(Path(folder))
+    plan, report = _plan(model, weights, resize_vocab)
+    if not report.loaded or (strict and report.fresh):
+        raise UsageError(f"{folder} does not match the model config: missing {report.fresh[:3]}, unexpected "
+                         f"{report.unused[:3]} (compare model.* with its {CONFIG})")
+    params = dict(model.named_parameters())
+    yield report, ((name, params[name], combine([weights.read(n) for n in sources]))
+                   for name, (sources, combine) in plan.items())
+
+
+@torch.no_grad()
+def load_weights(model: T5Model, folder: str | Path, strict: bool = False, resize_vocab: bool = False) -> LoadReport:
+    """Copy every tensor of `folder` that fits into this rank's shards of `model` (any TP, on any device); all TP
+    ranks read the same folder, each keeping its slice."""
+    with open_weights(model, folder, strict, resize_vocab) as (report, tensors):
+        for name, param, full in tensors:
+            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None)
+    return report
