@@ -10,7 +10,7 @@ from megatron.core import ModelParallelConfig
 
 from pretrain.config import ModelConfig
 from pretrain.model.attention import SelfAttention, parse_mixers
-from pretrain.model.synthesizer import factor_pair
+from pretrain.model.synthesizer import build_synthesizer, factor_pair
 from pretrain.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
@@ -90,6 +90,18 @@ def test_mixer_matches_paper_formula(spec, per_head, sdpa):
 def test_factorized_dense_is_not_block_constant():
     # tile x repeat: column j uses A[j // b] and B[j % b]; neither factor alone decides a column block
     assert factor_pair(512) == (16, 32) and factor_pair(64) == (8, 8) and factor_pair(12) == (3, 4)
+    init_single_process()
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, max_length=12)  # a, b = 3, 4: a != b, so a transposed grid shows too
+    synth = build_synthesizer("factorized_dense", cfg, ModelParallelConfig(use_cpu_initialization=True), 0, 1)
+    with torch.no_grad():
+        for p in (synth.ba, synth.bb):
+            p.normal_()  # zero biases would leave rows whose relu hidden is all zero at 0 everywhere
+        logits = synth(torch.randn(2, 5, cfg.d_model), 0, cfg.max_length)  # [b, heads, n, N]
+    grid = logits.unflatten(-1, (3, 4))  # [b, heads, n, a, b]: row i_a holds columns i_a * b .. i_a * b + b - 1
+    assert (grid.std(dim=-1) > 0).all()  # varies inside each block of b columns (B tiled)
+    assert (grid.std(dim=-2) > 0).all()  # and across blocks (A repeated)
+    assert (torch.linalg.matrix_rank(grid) == 1).all()  # each row's N logits are the outer product A B^T
 
 
 @pytest.mark.parametrize("spec, bad", [("randon", "randon"), ("random+vanila", "vanila"), ("", "")])
