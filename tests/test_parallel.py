@@ -53,8 +53,28 @@ TINY_IDS = ModelConfig(vocab_size=1100, d_model=32, d_ff=48, d_kv=8, num_heads=4
                        max_length=16, encoder_attention="random+vanilla", decoder_attention="dense+vanilla")
 
 
-def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Weights gathered to full shape, loss and full logits of a freshly built model at TP `tp`."""
+def _padding_rows(rows: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """This rank's rows [rows/tp, d] of a vocabulary-parallel tensor that hold no token id (ids >= num_ids)."""
+    from megatron.core import parallel_state
+
+    start = parallel_state.get_tensor_model_parallel_rank() * rows.shape[0]
+    return rows[max(0, num_ids - start):]
+
+
+def _padded_step(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss, this rank's logits and the padding rows' total |gradient| of a forward and backward with LM-head
+    padding rows that are not zero (what steps leave when the padding is not masked): only the mask keeps
+    them out of the loss, so the losses of TP 1 (52 such rows) and TP 2 (180) agree only if it works."""
+    with torch.no_grad():
+        _padding_rows(model.lm_head.weight, 1100).normal_(0.0, 10.0, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
+    out = model(**{k: torch.randint(2, 1100, (2, 9), generator=g) for k in ("input_ids", "decoder_input_ids", "labels")})
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), _padding_rows(model.lm_head.weight.grad, 1100).abs().sum()
+
+
+def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights gathered to full shape, then `_padded_step`'s loss, full logits and padding gradient at TP `tp`."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -64,29 +84,27 @@ def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Te
     init_distributed(ParallelConfig(tensor=tp), seed=7)
     torch.manual_seed(7)
     model = build_model(TINY_IDS)
-    g = torch.Generator().manual_seed(0)
-    batch = {k: torch.randint(2, 1100, (2, 9), generator=g) for k in ("input_ids", "decoder_input_ids", "labels")}
-    out = model(**batch)
-    parts = [torch.empty_like(out.logits) for _ in range(tp)]
-    dist.all_gather(parts, out.logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return full_state_dict(model), out.loss.detach(), torch.cat(parts, dim=-1).detach()
+    weights = full_state_dict(model)
+    loss, logits, padding_grad = _padded_step(model)
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return weights, loss, torch.cat(parts, dim=-1), padding_grad
 
 
 def test_tp1_and_tp2_start_from_the_same_function_with_unpadded_ids():
     # 1100 ids: 1152 rows at TP 1, 1280 at TP 2; the real rows draw the same numbers, the padding is zero
-    # and masked, so weights, logits of real ids and loss agree
+    # and masked, so weights, logits of real ids and loss agree, and the padding takes no gradient
     from pretrain.model import build_local_model, full_state_dict
 
     torch.manual_seed(7)
     model = build_local_model(TINY_IDS)  # TP 1 in this process
-    g = torch.Generator().manual_seed(0)
-    out = model(**{k: torch.randint(2, 1100, (2, 9), generator=g) for k in ("input_ids", "decoder_input_ids", "labels")})
-    w1, loss1, logits1 = full_state_dict(model), out.loss.detach(), out.logits.detach()
-    (w2, loss2, logits2), _ = run_distributed(_start, 2, 2)
-    assert w1.keys() == w2.keys()
     for name in ("embed.weight", "lm_head.weight"):  # the model's rows: padded, the padding zero
         rows = dict(model.named_parameters())[name]
         assert rows.shape[0] == 1152 and not rows[1100:].any()
+    w1 = full_state_dict(model)
+    loss1, logits1, padding_grad1 = _padded_step(model)
+    (w2, loss2, logits2, padding_grad2), _ = run_distributed(_start, 2, 2)
+    assert w1.keys() == w2.keys()
     for name in w1:  # the full state: the token rows only, whatever the TP
         assert torch.equal(w1[name], w2[name]), name
     assert w1["embed.weight"].shape[0] == w2["lm_head.weight"].shape[0] == 1100
@@ -94,6 +112,7 @@ def test_tp1_and_tp2_start_from_the_same_function_with_unpadded_ids():
     torch.testing.assert_close(logits1[..., :1100], logits2[..., :1100])
     assert (logits1[..., 1100:] == torch.finfo(torch.float32).min).all()
     assert (logits2[..., 1100:] == torch.finfo(torch.float32).min).all()
+    assert padding_grad1 == padding_grad2 == 0
 
 
 def layout_report(dims, seed: int) -> dict:
