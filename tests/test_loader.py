@@ -25,7 +25,7 @@ from webdataset import TarWriter
 
 from pretrain.config import UsageError
 from pretrain.data.documents import expand_glob
-from pretrain.data.loader import build_eval_loader, build_train_loader
+from pretrain.data.loader import _SETTING_KEYS, build_eval_loader, build_train_loader
 from pretrain.data.prepare import prepare
 from pretrain.data.shards import encode_pack
 from pretrain.data.stream import examples, start_position
@@ -248,19 +248,39 @@ def test_resume_is_exact_with_workers_and_across_epochs(shards, small_packs, sto
     assert_same_batches(list(itertools.islice(resumed, 80 - stop)), full[stop:])
 
 
-@pytest.mark.parametrize("change, named", [({"shuffle_buffer": 32}, "data.shuffle_buffer (64 in the checkpoint, 32 now)"),
-                                           ({"noise_density": 0.2}, "data.noise_density (0.15 in the checkpoint"),
-                                           ({"input_length": 48}, "data.input_length (64 in the checkpoint, 48 now)"),
-                                           ({"streams": 4}, "data.streams (8 in the checkpoint, 4 now)")])
-def test_resume_with_other_data_settings_is_refused(shards, change, named):
-    loader = build_train_loader(shards.config(workers=1), seed=1, dp_rank=0, dp_size=1, micro_batch=4)
-    list(itertools.islice(loader, 2))
-    changed = build_train_loader(shards.config(workers=1, **change), seed=1, dp_rank=0, dp_size=1, micro_batch=4)
+# Every data setting the loader saves: the change tried on resume, and what the refusal names; None: the change
+# is allowed (the data order is global: micro batch and DP size only decide who computes which example). The
+# refused rows must be the loader's own list, so a setting it starts saving is tried here too.
+SETTING_CHANGES = {
+    "seed": ({"seed": 2}, "run.seed (1 in the checkpoint, 2 now)"),
+    "streams": ({"streams": 4}, "data.streams (8 in the checkpoint, 4 now)"),
+    "shuffle_buffer": ({"shuffle_buffer": 32}, "data.shuffle_buffer (64 in the checkpoint, 32 now)"),
+    "input_length": ({"input_length": 48}, "data.input_length (64 in the checkpoint, 48 now)"),
+    "noise_density": ({"noise_density": 0.2}, "data.noise_density (0.15 in the checkpoint, 0.2 now)"),
+    "mean_noise_span_length": ({"mean_noise_span_length": 2.0},
+                               "data.mean_noise_span_length (3.0 in the checkpoint, 2.0 now)"),
+    "micro_batch": ({"micro_batch": 2}, None),
+}
+
+
+def test_every_saved_data_setting_is_tried_on_resume():
+    assert {k for k, (_, named) in SETTING_CHANGES.items() if named} == _SETTING_KEYS.keys()
+
+
+@pytest.mark.parametrize("setting", SETTING_CHANGES)
+def test_resume_with_other_data_settings_is_refused(shards, setting):
+    # the saved settings are checked before any position is used: a fresh loader's state is enough
+    change, named = SETTING_CHANGES[setting]
+    change = dict(change)
+    args = {"seed": change.pop("seed", 1), "micro_batch": change.pop("micro_batch", 4)}  # not data settings
+    state = {"ranks": [build_train_loader(shards.config(workers=1), seed=1, dp_rank=0, dp_size=1,
+                                          micro_batch=4).state_dict()]}
+    changed = build_train_loader(shards.config(workers=1, **change), dp_rank=0, dp_size=1, **args)
+    if named is None:
+        changed.load_state_dict(state)
+        return
     with pytest.raises(UsageError, match=re.escape(named)):
-        changed.load_state_dict({"ranks": [loader.state_dict()]})
-    other_seed = build_train_loader(shards.config(workers=1), seed=2, dp_rank=0, dp_size=1, micro_batch=4)
-    with pytest.raises(UsageError, match=re.escape("run.seed (1 in the checkpoint, 2 now)")):
-        other_seed.load_state_dict({"ranks": [loader.state_dict()]})
+        changed.load_state_dict(state)
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_shard(shards, tmp_path):
