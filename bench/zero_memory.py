@@ -46,6 +46,7 @@ def _measure(engine, batch: dict) -> dict[str, int]:
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]  # ZeRO-3 keeps a partition
     grads = [p.grad for p in engine.module.parameters()]
     grads += [getattr(opt, "grads_in_partition", None), getattr(opt, "grad_partitions_flat_buffer", None)]
+    grads += getattr(opt, "fp32_groups_gradients_flat", [])  # bf16 at ZeRO 1: the fp32 accumulation
     # ZeRO 1/2 move reduced gradients out of .grad into per-group partitions
     grads += [g for group in getattr(opt, "averaged_gradients", {}).values() for g in (group or [])]
     grad_bytes = _bytes(grads)
@@ -53,6 +54,9 @@ def _measure(engine, batch: dict) -> dict[str, int]:
     basic = getattr(opt, "optimizer", opt)  # ZeRO wraps torch's AdamW
     states = [v for s in basic.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     states += getattr(opt, "single_partition_of_fp32_groups", []) + getattr(opt, "fp32_partitioned_groups_flat", [])
+    # the fp32 masters of a bf16 model: BF16_Optimizer (ZeRO 1) keeps flat partitions, FP16_UnfusedOptimizer (ZeRO 0)
+    # one tensor per parameter
+    states += getattr(opt, "fp32_groups_flat_partition", []) + [t for g in getattr(opt, "fp32_groups", []) for t in g]
     return {"params": _bytes(params), "grads": grad_bytes, "optimizer": _bytes(states)}
 
 

@@ -141,8 +141,9 @@ def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, opti
     DeepSpeed's layout (deepspeed 0.19): fp32 has no master copy without ZeRO (AdamW keeps m and v, 8 bytes)
     and a partitioned fp32 copy with it (12 bytes over DP); bf16/fp16 keep 2-byte weights, gradients
     accumulated and reduced in fp32 (`data_types.grad_accum_dtype`): ZeRO 1 keeps the whole fp32 gradient
-    (DeepSpeed's BF16 optimizer), stages 2 and 3 a partition over DP. Adafactor (ZeRO 0 only, see
-    pretrain.engine) keeps the row and column factors (`factored_elements`).
+    (DeepSpeed's BF16 optimizer) plus the 2-byte `.grad` of every parameter, ZeRO 0 the 2-byte gradient and its
+    fp32 copy in the step, stages 2 and 3 a partition over DP. Adafactor (ZeRO 0 only, see pretrain.engine)
+    keeps the row and column factors (`factored_elements`).
     """
     p, shard = num_params, lambda nbytes: -(-nbytes // dp)
     wide = precision == "fp32"
@@ -150,6 +151,10 @@ def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, opti
     if stage == 3:
         params = shard(params)
     grads = 4 * p if stage < 2 else shard(4 * p)
+    if not wide and stage < 2:
+        # and the half-precision .grad of every parameter beside it, all step: BF16_Optimizer (ZeRO 1) keeps it for
+        # the next accumulation; without ZeRO it is the gradient, and the step makes the fp32 copy from it
+        grads += 2 * p
     if stage == 0:
         opt = (8 * p if optimizer == "adamw" else 4 * factored_elements) + (0 if wide else 4 * p)
     else:

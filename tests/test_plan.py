@@ -1,7 +1,8 @@
 """The planner against reality: the activation estimate (a meta-device trace) within 25% of the measured
 peak of a real CPU fp32 forward + backward (torch.profiler's allocation events) for every mixer and
-recompute mode; model-state bytes equal to what bench.zero_memory measures on a real DeepSpeed engine at
-DP 2 for ZeRO 0-3; the meta shard's shapes against the unsharded model; the command line's verdicts."""
+recompute mode, and the logits term against its formula; model-state bytes equal to what bench.zero_memory
+measures on a real DeepSpeed engine at DP 2 for ZeRO 0-3 in fp32 and ZeRO 0-2 in bf16; the meta shard's
+shapes against the unsharded model; the command line's verdicts."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from pretrain.config import Config, load_config
 from pretrain.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
 from pretrain.model import build_local_model, build_model
-from pretrain.parallel import init_single_process
+from pretrain.parallel import init_single_process, padded_vocab_size
 from pretrain.plan import check_job, main
 from tests.distributed import run_distributed
 
@@ -62,8 +63,9 @@ def test_activation_estimate_counts_dropout_masks(mixer):
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
-def _zero_states(rank: int, world: int) -> list[tuple[int, int, dict[str, int]]]:
-    """bench.zero_memory's measurement of a real engine at DP `world`, ZeRO 0-3, and the parameter count."""
+def _zero_states(rank: int, world: int) -> list[tuple[str, int, int, dict[str, int]]]:
+    """bench.zero_memory's measurement of a real engine at DP `world`: fp32 at ZeRO 0-3, bf16 at ZeRO 0-2 (the
+    precision of the cluster, over gloo on CPU); with the parameter count."""
     from bench.zero_memory import MODEL_OVERRIDES, _measure
     from pretrain.config import ParallelConfig
     from pretrain.engine import build_engine
@@ -76,25 +78,43 @@ def _zero_states(rank: int, world: int) -> list[tuple[int, int, dict[str, int]]]
              for k, length in (("input_ids", 64), ("decoder_input_ids", 14), ("labels", 14))}
     train = dataclasses.replace(cfg.train, micro_batch=4, global_batch=4 * world)
     rows = []
-    for stage in range(4):
+    for precision, stage in [("fp32", 0), ("fp32", 1), ("fp32", 2), ("fp32", 3), ("bf16", 0), ("bf16", 1), ("bf16", 2)]:
         model = build_model(cfg.model)
         num_params = sum(p.numel() for p in model.parameters())  # before ZeRO 3 empties them
-        engine = build_engine(model, train, dataclasses.replace(cfg.zero, stage=stage), "fp32", world)
-        rows.append((stage, num_params, _measure(engine, batch)))
+        engine = build_engine(model, train, dataclasses.replace(cfg.zero, stage=stage), precision, world)
+        rows.append((precision, stage, num_params, _measure(engine, batch)))
     return rows
 
 
 def test_model_state_bytes_equal_bench_zero_memory():
-    for stage, num_params, measured in run_distributed(_zero_states, 2)[0]:
-        expected = dict(zip(("params", "grads", "optimizer"), model_state_bytes(num_params, "fp32", stage, 2, "adamw")))
-        if stage == 1:
+    for precision, stage, num_params, measured in run_distributed(_zero_states, 2)[0]:
+        expected = dict(zip(("params", "grads", "optimizer"),
+                            model_state_bytes(num_params, precision, stage, 2, "adamw")))
+        if (precision, stage) == ("fp32", 1):
             # ZeRO 1 reduces the whole fp32 gradient into this rank's partition at the end of the backward, where
             # bench.zero_memory looks; the planner counts the whole gradient, which lives until then
             assert expected["grads"] == 4 * num_params
             expected["grads"] = 4 * num_params // 2
+        if (precision, stage) == ("bf16", 0):
+            # without ZeRO the bf16 gradient is all there is after the backward; the planner adds the fp32 copy
+            # that the step makes of it
+            assert expected["grads"] == (2 + 4) * num_params
+            expected["grads"] = 2 * num_params
         for key, value in expected.items():
             # ZeRO pads each flat partition to an alignment boundary: a few hundred bytes at most
-            assert abs(measured[key] - value) <= 1024, (stage, key, measured[key], value)
+            assert abs(measured[key] - value) <= 1024, (precision, stage, key, measured[key], value)
+
+
+@pytest.mark.parametrize("tp, precision", [(1, "fp32"), (2, "bf16")])
+def test_logits_term_is_the_returned_logits(tp, precision):
+    # the logits [b, m, vocab rows / TP] live from the forward to the backward beside everything else; in the
+    # 25% band above they are a few percent of the peak, so a lost term would not show there
+    cfg = load_config(Config, "configs/tiny.yaml", SMALL + [f"precision={precision}"])
+    trace = trace_activations(cfg, tp, 8, 28, device="cpu")
+    assert trace.logits == 8 * 28 * padded_vocab_size(1100, tp) // tp * (4 if precision == "fp32" else 2)
+    for mode in ("none", "full", "selective"):
+        without = activation_bytes(dataclasses.replace(trace, logits=0), mode)
+        assert activation_bytes(trace, mode) == without + trace.logits, mode
 
 
 def test_meta_shard_shapes_are_the_unsharded_model_split_by_tp():
