@@ -25,6 +25,7 @@ from pretrain.data.remote import redact
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, WorkerRows, collate, examples, start_position
+from pretrain.faults import PREEMPTION_SIGNALS
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,10 @@ def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | N
 
 
 def _ignore_preemption_signals(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGUSR1 to the trainer: SLURM signals every process of a step, and a worker that
-    died of it would kill the trainer before it could checkpoint. Workers still exit when the trainer does."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    """Workers leave the preemption signals to the trainer: SLURM signals every process of a step (a terminal's
+    Ctrl-C every process of the foreground group), and a worker that died of one would kill the trainer before it
+    could checkpoint. Workers still exit when the trainer does."""
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
