@@ -114,10 +114,13 @@ def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
         while not (tmp_path / "metrics.jsonl").exists() and holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert holder.poll() is None, holder.stderr.read()
-        results = launch_like_srun(1, "import sys; from pretrain.train import main; sys.exit(main())",
+        # a 2-rank job: every rank refuses in one line, not only rank 0 (which holds the lock of a job)
+        results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
                                    _argv(tmp_path, shards), cwd=REPO)
-        assert results[0][0] == EXIT_USAGE
-        assert f"is in use by another job (pid {holder.pid}" in results[0][1]
+        assert [code for code, _ in results] == [EXIT_USAGE] * 2
+        for _, err in results:
+            line = [l for l in err.splitlines() if "error:" in l]
+            assert len(line) == 1 and f"is in use by another job (pid {holder.pid}" in line[0], err[-2000:]
     finally:
         holder.kill()
         holder.wait()
@@ -219,16 +222,16 @@ def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
     assert _last_line(run_dir) == "pretrain.train: error: train.exit_after (-1) must be >= 0"
 
 
-def _session_alive(sid: int) -> bool:
-    """Some process of session `sid` still runs (zombies do not count: an orphan's reaper may be slow)."""
+def _processes() -> dict[int, tuple[str, int]]:
+    """{pid: (state, parent pid)} of every process."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
         except OSError:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            return True
-    return False
+        found[int(stat.parent.name)] = (fields[0], int(fields[1]))
+    return found
 
 
 def _lock_free(run_dir: Path) -> bool:
@@ -248,9 +251,12 @@ def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, shards)
     _wait_for(lambda: _training(run_dir, launcher), "the first step")
+    ranks = [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]  # torchrun's: sessions
+    assert len(ranks) == 2                                                                 # of their own
     launcher.kill()
     launcher.wait()
-    _wait_for(lambda: not _session_alive(launcher.pid), "the orphaned ranks to end")
+    # zombies do not count: an orphan's new parent may be slow to reap it
+    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
     assert _lock_free(run_dir)
     step = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / step / "complete.json").is_file()
