@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 import signal
-import time
 from collections import deque
+from multiprocessing.connection import wait
 from typing import Iterator
 
 from torch.utils.data import DataLoader
@@ -151,11 +151,13 @@ class TrainLoader:
             return next(self._iterator)
         except (ConnectionError, EOFError) as error:
             workers = getattr(self._iterator, "_workers", [])
-            # its sockets close a moment before it can be reaped (the kernel closes a dying process's files before
-            # it becomes a zombie, so even its ready sentinel can precede a waitpid that sees it): poll
-            deadline = time.monotonic() + 5
-            while all(w.exitcode is None for w in workers) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # a dying worker's files (its sockets, then the sentinel pipe) close a moment before the kernel lets it
+            # be reaped, a moment that can last seconds on a loaded machine: after the sentinel, join's blocking
+            # waitpid (a plain `exitcode` looks without waiting and can still see none)
+            ready = wait([w.sentinel for w in workers], timeout=5)
+            for w in workers:
+                if w.sentinel in ready:
+                    w.join()
             dead = [f"pid {w.pid}, {_ending(w.exitcode)}" for w in workers if w.exitcode is not None]
             if dead:
                 raise RuntimeError(f"DataLoader worker ({'; '.join(dead)}) exited unexpectedly; out of host "
