@@ -67,6 +67,7 @@ def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
              if codes[rank] != -signal.SIGTERM]
     return code, "; ".join(named)
 
+
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # deferred: --help stays fast
     from torch.distributed.run import parse_args, run
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"launch.run: {line}", file=sys.stderr)
         return code
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
          shards / "valid" / "index.json"),
         (f"4/7 pretrain: tiny Random+Vanilla Synthesizer, {args.pretrain_steps} steps, 2 processes (data parallel)",
          launch + ["-m", "pretrain.train", "--config", "configs/tiny.yaml", f"run.dir={pretrain}",
-                     f"data.train={shards / 'train'}", f"data.valid={shards / 'valid'}",
-                     f"data.tokenizer={tok / 'spiece.model'}", f"train.steps={args.pretrain_steps}",
-                     "checkpoint.every=0", "eval.every=100", "log.every=50"],
+                   f"data.train={shards / 'train'}", f"data.valid={shards / 'valid'}",
+                   f"data.tokenizer={tok / 'spiece.model'}", f"train.steps={args.pretrain_steps}",
+                   "checkpoint.every=0", "eval.every=100", "log.every=50"],
          pretrain / "checkpoints" / "latest"),
         ("5/7 export: checkpoint -> model.safetensors + config.json + tokenizer",
          [py, "-m", "pretrain.export", "--run", str(pretrain), "--output", str(export)], export),
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
          [py, "-m", "pretrain.tasks.polarity", "--output", str(polarity)], polarity / "test.tsv"),
         ("7/7 finetune + evaluate: sst2 on the polarity set, tensor parallel over 2 processes",
          launch + ["-m", "pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export}",
-                     f"data.dir={polarity}", f"run.dir={finetune}", "parallel.tensor=2"],
+                   f"data.dir={polarity}", f"run.dir={finetune}", "parallel.tensor=2"],
          finetune / "results.json"),
     ]
     for i, (title, cmd, done) in enumerate(stages):
