@@ -1,1 +1,2 @@
-"""From a scheduler's environment to a process group: rank/world/rendezvous (env.py), and torchrun on one machine (local.py)."""
+"""From a scheduler's environment to a process group: rank/world/rendezvous and the tie to the launcher (env.py),
+torchrun with the jobs' exit codes and signals (run.py), and it on one machine (local.py)."""

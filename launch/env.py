@@ -1,5 +1,5 @@
 """Who am I in the job: rank, world size, local rank and rendezvous address, from torchrun's or SLURM's
-environment.
+environment; and the tie of a rank to torchrun's agent (`init_launcher_death_signal`).
 
 torchrun (also `srun torchrun`, one task per node) sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
 itself. Under `srun python -m ...` (one task per GPU or CPU slot) only SLURM's variables exist; the master
@@ -8,9 +8,12 @@ shared node do not collide.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -112,3 +115,20 @@ def export_torch_env(d: DistEnv) -> None:
         MASTER_ADDR=d.master_addr,
         MASTER_PORT=str(d.master_port),
     )
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def init_launcher_death_signal() -> None:
+    """Under torchrun's agent (torchrun, launch.run): SIGTERM to this rank when the agent dies, however it dies.
+    A launcher killed by SIGKILL (the OOM killer, a node agent) forwards nothing, and its ranks would train on as
+    orphans holding the run lock; the jobs take SIGTERM as preemption (checkpoint, exit). Linux only (prctl);
+    elsewhere, and under srun, whose step daemon ends its tasks itself, nothing is done."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the agent died before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -6,10 +6,10 @@ Stages, each the project's own command in a subprocess (so the demo runs exactly
   1. text       real English text written in C4's json.gz layout     python -m pretrain.data.fetch
   2. tokenizer  a 1000-piece SentencePiece model + 100 sentinels      python -m tokenizer.train
   3. shards     webdataset shards of token ids                        python -m pretrain.data.prepare
-  4. pretrain   the tiny Random+Vanilla Synthesizer, 2 processes (DP) torchrun -m pretrain.train
+  4. pretrain   the tiny Random+Vanilla Synthesizer, 2 processes (DP) launch.run -m pretrain.train
   5. export     checkpoint -> HF-layout folder                        python -m pretrain.export
   6. polarity   Pang & Lee's sentences in SST-2's layout              python -m pretrain.tasks.polarity
-  7. finetune   text-to-text fine-tuning + evaluation at TP 2         torchrun -m pretrain.finetune
+  7. finetune   text-to-text fine-tuning + evaluation at TP 2         launch.run -m pretrain.finetune
 Downloads are cached (~/.cache/synthesizer-pretrain); a finished stage's output is reused on a rerun. The
 last lines are the scores table and where the TensorBoard logs and the exported model are.
 """
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     py, start = sys.executable, time.perf_counter()
-    torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch = [py, "-m", "launch.run", "--nproc-per-node", "2"]  # torchrun with the jobs' exit codes
     text, tok, shards = work / "text", work / "tokenizer", work / "shards"
     pretrain, export, polarity, finetune = work / "pretrain", work / "export", work / "polarity", work / "finetune"
     stages = [
@@ -73,18 +73,18 @@ def main(argv: list[str] | None = None) -> None:
                                     "--output", str(shards / "valid"), "--tokenizer", str(tok / "spiece.model")],
          shards / "valid" / "index.json"),
         (f"4/7 pretrain: tiny Random+Vanilla Synthesizer, {args.pretrain_steps} steps, 2 processes (data parallel)",
-         torchrun + ["-m", "pretrain.train", "--config", "configs/tiny.yaml", f"run.dir={pretrain}",
-                     f"data.train={shards / 'train'}", f"data.valid={shards / 'valid'}",
-                     f"data.tokenizer={tok / 'spiece.model'}", f"train.steps={args.pretrain_steps}",
-                     "checkpoint.every=0", "eval.every=100", "log.every=50"],
+         launch + ["-m", "pretrain.train", "--config", "configs/tiny.yaml", f"run.dir={pretrain}",
+                   f"data.train={shards / 'train'}", f"data.valid={shards / 'valid'}",
+                   f"data.tokenizer={tok / 'spiece.model'}", f"train.steps={args.pretrain_steps}",
+                   "checkpoint.every=0", "eval.every=100", "log.every=50"],
          pretrain / "checkpoints" / "latest"),
         ("5/7 export: checkpoint -> model.safetensors + config.json + tokenizer",
          [py, "-m", "pretrain.export", "--run", str(pretrain), "--output", str(export)], export),
         ("6/7 polarity: 4,000 movie-review sentences in SST-2's layout",
          [py, "-m", "pretrain.tasks.polarity", "--output", str(polarity)], polarity / "test.tsv"),
         ("7/7 finetune + evaluate: sst2 on the polarity set, tensor parallel over 2 processes",
-         torchrun + ["-m", "pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export}",
-                     f"data.dir={polarity}", f"run.dir={finetune}", "parallel.tensor=2"],
+         launch + ["-m", "pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export}",
+                   f"data.dir={polarity}", f"run.dir={finetune}", "parallel.tensor=2"],
          finetune / "results.json"),
     ]
     for i, (title, cmd, done) in enumerate(stages):

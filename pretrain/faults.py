@@ -5,11 +5,12 @@ preemption signals agreed on by all ranks, the skipped-step budget, and the one 
 Exit codes:
   EXIT_OK (0)          training reached train.steps, or train.exit_after steps were done (checkpoint saved)
   EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
-                       parallel.timeout_s, with one line saying another rank failed first
+                       parallel.timeout_s, with one line saying another rank failed first (or, where a collective
+                       timed out, that a rank never arrived: stalled or hung)
   EXIT_USAGE (2)       a user mistake (pretrain.config.UsageError: config, inputs, layout): one line on stderr
   EXIT_DIVERGED (3)    more than train.max_skipped_steps steps were skipped (non-finite loss or gradients);
                        the last good checkpoint stays
-  EXIT_PREEMPTED (75)  SIGTERM or SIGUSR1 arrived: a checkpoint was saved, run the same command again
+  EXIT_PREEMPTED (75)  SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 arrived: a checkpoint was saved, run the same command again
                        (EX_TEMPFAIL from sysexits.h: "temporary failure, try again"; requeue the job)
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing
+import re
 import signal
 import sys
 import traceback
@@ -37,7 +39,8 @@ EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C too: an interactive user stopping a run loses no more than a scheduler's SIGTERM does
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Diverged(RuntimeError):
@@ -45,7 +48,7 @@ class Diverged(RuntimeError):
 
 
 class PreemptionFlag:
-    """Records SIGTERM/SIGUSR1; `agreed()` is a collective, so every rank stops at the same step boundary."""
+    """Records PREEMPTION_SIGNALS; `agreed()` is a collective, so every rank stops at the same step boundary."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -89,6 +92,24 @@ def _is_peer_failure(e: BaseException) -> bool:
         any(sign in str(e) for sign in _PEER_SIGNS)
 
 
+def _timeout_s(e: BaseException) -> float | None:
+    """The wait of a collective that timed out, read from its message (gloo: "Timed out waiting 30000ms for recv",
+    NCCL's watchdog: "Timeout(ms)=30000"); None for any other failure."""
+    match = re.search(r"Timed out waiting (\d+)ms|Timeout\(ms\)=(\d+)", str(e))
+    return int(match.group(1) or match.group(2)) / 1000 if match else None
+
+
+def _peer_failure_line(e: BaseException) -> str:
+    """What a rank whose collective failed knows: a peer ended first (its error is the one to read), or, on a
+    timeout, that some rank never arrived, which, when no rank printed an error, is a stalled or hung one."""
+    timeout = _timeout_s(e)
+    if timeout is not None:
+        return (f"a collective timed out after {timeout:g} s (parallel.timeout_s): another rank never arrived; if no "
+                "rank printed an error, a rank stalled or hung (stopped, swapping, a lost node)")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"a collective failed ({first}); another rank failed first, its error is the one to read"
+
+
 def _user_message(e: UsageError) -> str:
     """The one line of a usage error; one raised in a DataLoader worker arrives wrapped with its traceback."""
     lines = [line for line in str(e).splitlines() if line.strip()]
@@ -111,8 +132,8 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
     UsageError -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
-    that failed because another rank failed first -> one line naming it, EXIT_FAILED (the first error is that
-    rank's); anything else -> its traceback, once, EXIT_FAILED.
+    that failed because another rank failed first or never arrived -> one line saying which (`_peer_failure_line`),
+    EXIT_FAILED (the first error is that rank's); anything else -> its traceback, once, EXIT_FAILED.
     """
     try:
         return job()
@@ -125,9 +146,7 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if _is_peer_failure(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"{prog}: rank {rank}: a collective failed ({first}); another rank failed first, its error "
-                  "is the one to read", file=sys.stderr)
+            print(f"{prog}: rank {rank}: {_peer_failure_line(e)}", file=sys.stderr)
         else:
             print(f"{prog}: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
         return EXIT_FAILED

@@ -1,5 +1,5 @@
 """Fine-tuning of exported weights on a GLUE/SuperGLUE task, text to text:
-`torchrun --nproc-per-node N -m pretrain.finetune --config configs/finetune/TASK.yaml init=OUT data.dir=DIR
+`python -m launch.run --nproc-per-node N -m pretrain.finetune --config configs/finetune/TASK.yaml init=OUT data.dir=DIR
 run.dir=RUN [section.key=value ...]` (or `srun python -m pretrain.finetune ...`).
 
 The same machinery as pretraining: process groups and TP (`pretrain.parallel`), the DeepSpeed engine

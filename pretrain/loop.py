@@ -25,7 +25,6 @@ from typing import Callable, Iterable, Iterator, Protocol
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import get_global_norm_of_tensors
 from megatron.core import parallel_state
 
 from pretrain.checkpoint import CheckpointManager, Progress
@@ -33,6 +32,7 @@ from pretrain.config import TrainConfig
 from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
 from pretrain.figures import synthesizer_images
 from pretrain.metrics import MetricsLogger, peak_memory_bytes
+from pretrain.model.sharding import is_tp_sharded
 from pretrain.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,18 @@ def install_skip_guard(engine) -> bool:
     return True
 
 
+def grad_norm_over_tp(model: torch.nn.Module) -> torch.Tensor:
+    """[] the L2 norm of the whole model's gradients, on the device (no sync), the same on every TP rank: a
+    TP-sharded parameter counts on every TP rank, a replicated one (norms, a per-layer mixture vector) on TP rank
+    0 only. Non-finite when any gradient is. DeepSpeed's `get_global_norm_of_tensors` does neither: it reports a
+    non-finite norm as -1.0 and counts replicated parameters TP times."""
+    first = parallel_state.get_tensor_model_parallel_rank() == 0
+    grads = [p.grad for p in model.parameters() if p.grad is not None and (first or is_tp_sharded(p))]
+    squares = torch.nn.utils.get_total_norm(grads).float().square()
+    dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    return squares.sqrt()
+
+
 def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
     saw a non-finite loss or gradient)."""
@@ -92,9 +104,9 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
             # [] summed over DP ranks: non-finite everywhere if it is anywhere (TP ranks share the loss)
             dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
             if getattr(engine.optimizer, "skip_guard", False):
-                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                grad_norm = get_global_norm_of_tensors(grads, mpu=engine.mpu)  # over TP; DP-reduced already
-                # the step's one device-to-host sync, only on the path whose optimizer does not check itself
+                grad_norm = grad_norm_over_tp(engine.module)  # the gradients are DP-reduced already
+                # the step's one device-to-host sync, only on the path whose optimizer does not check itself;
+                # the norm is non-finite when a gradient is, also where the loss is finite (a backward overflow)
                 engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
         engine.step()
     applied = engine.was_step_applied()
@@ -190,7 +202,7 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
              evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None) -> int:
     """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
-    EXIT_PREEMPTED after a checkpoint when SIGTERM/SIGUSR1 arrived on any rank. `pictures` (TensorBoard
+    EXIT_PREEMPTED after a checkpoint when one of `faults.PREEMPTION_SIGNALS` arrived on any rank. `pictures` (TensorBoard
     images) are drawn at the evaluation steps and at the last step."""
     install_skip_guard(engine)
     preemption = PreemptionFlag()

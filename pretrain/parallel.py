@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
-from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env
+from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, init_launcher_death_signal
 from pretrain.config import ModelConfig, ParallelConfig, UsageError
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ def _pick_backend(requested: str) -> str:
 def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
     """Join the job's process group (torchrun or SLURM variables), build TP x DP groups and seed the RNGs."""
     env = distributed_env()
+    init_launcher_death_signal()  # a rank whose launcher is killed stops (checkpoint, exit) instead of training on
     check_world(cfg.tensor, env.world_size)  # before joining: each rank refuses on its own, none waits
     export_torch_env(env)  # SLURM's variables -> the env:// rendezvous variables
     backend = _pick_backend(cfg.backend)

@@ -1,8 +1,8 @@
-"""Pretraining: `torchrun --nproc-per-node N -m pretrain.train --config FILE [section.key=value ...]` (or
-`srun python -m pretrain.train ...`). `train` is the setup, top to bottom: process groups, checks, the run lock,
-tokenizer, checkpoint to resume, model (random, or from `init=` weights) and DeepSpeed engine, data (train stream
-and the fixed validation slice, both opened now), restore; then the shared loop (`pretrain.loop.run_loop`). Exit
-codes are in pretrain.faults.
+"""Pretraining: `python -m launch.run --nproc-per-node N -m pretrain.train --config FILE [section.key=value ...]`
+(torchrun with the jobs' exit codes; or `srun python -m pretrain.train ...`). `train` is the setup, top to bottom:
+process groups, checks, the run lock, tokenizer, checkpoint to resume, model (random, or from `init=` weights) and
+DeepSpeed engine, data (train stream and the fixed validation slice, both opened now), restore; then the shared
+loop (`pretrain.loop.run_loop`). Exit codes are in pretrain.faults.
 """
 from __future__ import annotations
 

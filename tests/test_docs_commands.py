@@ -1,6 +1,6 @@
-"""Every pretraining command in README.md and docs/*.md (`torchrun ... -m pretrain.train`, `sbatch ...
-slurm/pretrain.sbatch`, `slurm/pipeline.sh`) passes the planner at its shape: nodes from `--nodes`, 8 x 80 GB
-GPUs per node for SLURM jobs, `--nproc-per-node` GPUs for torchrun, the command's config and overrides. The
+"""Every pretraining command in README.md and docs/*.md (`python -m launch.run ... -m pretrain.train` or plain
+`torchrun ...`, `sbatch ... slurm/pretrain.sbatch`, `slurm/pipeline.sh`) passes the planner at its shape: nodes from
+`--nodes`, 8 x 80 GB GPUs per node for SLURM jobs, `--nproc-per-node` GPUs for the launcher, the command's config and overrides. The
 other SLURM scripts (tokenizer, data, export, fine-tuning) start no pretraining and are not planned."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pretrain.plan import main as plan
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 GPUS_PER_NODE = 8  # slurm/site.sh's default
+LAUNCHERS = ("launch.run", "torchrun")  # `python -m launch.run` (the documented one) takes torchrun's options
 PLACEHOLDER_PROCS = 2  # `--nproc-per-node N` in a doc: the walk-through's 2 (tiny's batch of 8 splits over 1 or 2)
 
 
@@ -37,18 +38,18 @@ def _code_lines(text: str) -> list[str]:
 
 
 def _commands() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every torchrun / sbatch / pipeline.sh command in the docs' code blocks."""
+    """(where, argv) of every launch.run / torchrun / sbatch / pipeline.sh command in the docs' code blocks."""
     found = []
     for doc in DOCS:
         for line in _code_lines(doc.read_text()):
-            if not re.search(r"\b(torchrun|sbatch)\b|pipeline\.sh", line):
+            if not re.search(r"\b(torchrun|sbatch)\b|pipeline\.sh|launch\.run", line):
                 continue
             try:
                 words = shlex.split(line.replace("$(", " ").replace(")", " "))
             except ValueError:  # shell beyond one command (a loop's quoting): words as written
                 words = line.split()
             for i, word in enumerate(words):
-                if word in ("torchrun", "sbatch") or word.endswith("pipeline.sh"):
+                if word in LAUNCHERS or word == "sbatch" or word.endswith("pipeline.sh"):
                     found.append((f"{doc.name}: {line.strip()[:80]}", words[i:]))
                     break
     return found
@@ -57,7 +58,7 @@ def _commands() -> list[tuple[str, list[str]]]:
 def _plan_args(argv: list[str]) -> list[str] | None:
     """The planner's arguments for a pretraining command, None for one that starts no pretraining."""
     nodes, procs, config, overrides = 1, GPUS_PER_NODE, None, []
-    if argv[0] == "torchrun":
+    if argv[0] in LAUNCHERS:
         if "pretrain.train" not in argv:
             return None
         procs = argv[argv.index("--nproc-per-node") + 1]
@@ -90,7 +91,7 @@ PRETRAINING = [(where, args) for where, argv in COMMANDS if (args := _plan_args(
 
 def test_the_docs_commands_are_found():
     scripts = {argv[0] if argv[0] != "sbatch" else next(w for w in argv if w.endswith(".sbatch")) for _, argv in COMMANDS}
-    assert {"torchrun", "slurm/pretrain.sbatch", "slurm/pipeline.sh", "slurm/finetune.sbatch"} <= scripts
+    assert {"launch.run", "slurm/pretrain.sbatch", "slurm/pipeline.sh", "slurm/finetune.sbatch"} <= scripts
     assert len(PRETRAINING) >= 4
 
 

@@ -5,6 +5,7 @@ for a bug, one line for a user mistake, one line on the ranks that only lost the
 `launch_like_srun` fails a test whose job does not end (a hang) instead of waiting forever."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.faults import EXIT_FAILED, EXIT_USAGE
+from pretrain.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.distributed import _free_port, launch_like_srun, run_distributed
 from tests.test_train import COMMON, REPO, TINY, data_overrides
 
@@ -69,6 +70,24 @@ def test_a_killed_loader_worker_ends_the_job(shards, tmp_path):
     assert "DataLoader worker" in results[0][1] and PEER_LINE in results[1][1]
 
 
+# rank 1 stops itself (SIGSTOP: a stalled node) and is continued once rank 0, the lock's holder, is gone
+_STALL = ("import json, subprocess, time; "
+          "run_dir = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('run.dir=')); "
+          "holder = json.loads(open(os.path.join(run_dir, 'lock')).read())['pid']; "
+          "subprocess.Popen(['sh', '-c', f'while kill -0 {holder} 2>/dev/null; do sleep 0.2; done; "
+          "kill -CONT {os.getpid()}']); "
+          "os.kill(os.getpid(), signal.SIGSTOP)")
+
+
+def test_a_stalled_rank_is_named_as_a_timeout(shards, tmp_path):
+    results = launch_like_srun(2, _code(1, _STALL), _argv(tmp_path, shards, "parallel.timeout_s=20"), cwd=REPO)
+    assert results[0][0] == EXIT_FAILED
+    line = [l for l in results[0][1].splitlines() if "rank 0:" in l]
+    assert len(line) == 1 and "a collective timed out after 20 s (parallel.timeout_s): another rank never arrived" \
+        in line[0], results[0][1][-2000:]
+    assert PEER_LINE not in results[0][1] and "Traceback" not in results[0][1]
+
+
 def test_no_readable_data_is_one_line_on_every_rank(shards, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(shards.train, damaged)
@@ -95,10 +114,13 @@ def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
         while not (tmp_path / "metrics.jsonl").exists() and holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert holder.poll() is None, holder.stderr.read()
-        results = launch_like_srun(1, "import sys; from pretrain.train import main; sys.exit(main())",
+        # a 2-rank job: every rank refuses in one line, not only rank 0 (which holds the lock of a job)
+        results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
                                    _argv(tmp_path, shards), cwd=REPO)
-        assert results[0][0] == EXIT_USAGE
-        assert f"is in use by another job (pid {holder.pid}" in results[0][1]
+        assert [code for code, _ in results] == [EXIT_USAGE] * 2
+        for _, err in results:
+            line = [l for l in err.splitlines() if "error:" in l]
+            assert len(line) == 1 and f"is in use by another job (pid {holder.pid}" in line[0], err[-2000:]
     finally:
         holder.kill()
         holder.wait()
@@ -140,3 +162,101 @@ def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
 @pytest.mark.parametrize("tensor", [1, 2], ids=["dp-group", "tp-group"])
 def test_model_parallel_groups_get_the_configured_timeout(tmp_path, tensor):
     assert run_distributed(_timeout_of, 2, tensor, str(tmp_path / "flag")) == ["timed out"] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Signals to the launcher (python -m launch.run, torchrun's agent): what a scheduler, a terminal or the OOM killer do
+# ----------------------------------------------------------------------------------------------------------------
+HANG_S = 900  # a hang guard only: each job below needs seconds
+
+
+def _launch(run_dir: Path, shards, *extra: str) -> subprocess.Popen:
+    """The documented launch of a 2-rank job that trains until it is stopped, in a session of its own (a
+    terminal's foreground group); its stderr goes to run_dir/../stderr."""
+    argv = _argv(run_dir, shards, "train.steps=1000000", "eval.every=0", "checkpoint.every=0", *extra)
+    return subprocess.Popen([sys.executable, "-m", "launch.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "pretrain.train", *argv], cwd=REPO, start_new_session=True,
+                            stderr=(run_dir.parent / "stderr").open("w"), env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, f"hung: {what} not within {HANG_S} s"
+        time.sleep(0.2)
+
+
+def _training(run_dir: Path, launcher: subprocess.Popen) -> bool:
+    """The loop runs: a step's record is in metrics.jsonl (the file itself is made during setup)."""
+    assert launcher.poll() is None, (run_dir.parent / "stderr").read_text()[-3000:]
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and '"loss"' in metrics.read_text()
+
+
+def _last_line(run_dir: Path) -> str:
+    return [line for line in (run_dir.parent / "stderr").read_text().splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
+def test_a_signal_to_the_launched_job_saves_and_exits_preempted(shards, tmp_path, how):
+    # scancel / a scheduler signal the launcher; Ctrl-C in a terminal signals every process of the foreground group
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: _training(run_dir, launcher), "the first step")
+    if how.startswith("SIGTERM"):
+        launcher.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(launcher.pid, signal.SIGINT)
+    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / step / "complete.json").is_file()
+    err = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert f"checkpoint saved, exiting {EXIT_PREEMPTED}" in _last_line(run_dir)
+
+
+def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, shards, "train.exit_after=-1")
+    assert launcher.wait(timeout=HANG_S) == EXIT_USAGE
+    assert _last_line(run_dir) == "pretrain.train: error: train.exit_after (-1) must be >= 0"
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """{pid: (state, parent pid)} of every process."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        except OSError:
+            continue
+        found[int(stat.parent.name)] = (fields[0], int(fields[1]))
+    return found
+
+
+def _lock_free(run_dir: Path) -> bool:
+    fd = os.open(run_dir / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
+    # the OOM killer or a node agent SIGKILLs the launcher, which forwards nothing: the ranks must not train on as
+    # orphans holding the run lock; the kernel's parent-death signal makes them save and stop
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: _training(run_dir, launcher), "the first step")
+    ranks = [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]  # torchrun's: sessions
+    assert len(ranks) == 2                                                                 # of their own
+    launcher.kill()
+    launcher.wait()
+    # zombies do not count: an orphan's new parent may be slow to reap it
+    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
+    assert _lock_free(run_dir)
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / step / "complete.json").is_file()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launch.env import DistEnv, distributed_env, slurm_port, tasks_per_node
-from launch.local import torchrun_argv
+from launch.local import launcher_argv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_local_launcher_runs_a_two_process_group(tmp_path: Path) -> None:
 
 
 def test_local_launcher_passes_the_module_arguments_through() -> None:
-    argv = torchrun_argv(2, "pretrain.train", ["--config", "configs/tiny.yaml", "train.steps=3"])
+    argv = launcher_argv(2, "pretrain.train", ["--config", "configs/tiny.yaml", "train.steps=3"])
     assert argv[-5:] == ["-m", "pretrain.train", "--config", "configs/tiny.yaml", "train.steps=3"]
 
 

@@ -180,10 +180,17 @@ def test_a_killed_worker_is_named(shards):
     assert loader._iterator is None  # closed on the way out
 
 
+def _close_files_then_sleep() -> None:
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # its sockets and its sentinel pipe
+    time.sleep(60)
+
+
 def test_a_worker_killed_a_moment_before_its_socket_closes_is_named(shards):
     # the race torch's own check loses (seen on CI): the dead worker's socket is closed but the process cannot be
-    # reaped yet, so torch re-raises the bare ConnectionResetError; the loader waits for the worker to end
-    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    # reaped yet, so torch re-raises the bare ConnectionResetError; the loader waits for the worker to end. A dying
+    # process closes its files (sentinel pipe included) before it can be reaped, for as long as a loaded machine
+    # takes (seen in a session that also built the fixtures): here the worker closes them itself, then dies
+    worker = multiprocessing.get_context("fork").Process(target=_close_files_then_sleep)
     worker.start()
 
     class QueuedBatchOfTheDeadWorker:

@@ -31,6 +31,10 @@ COMMON = [f"train.steps={STEPS}", "log.every=1", "eval.every=4", "checkpoint.eve
 # the layouts whose optimizers must skip a step with non-finite gradients: plain fp32 (our guard), ZeRO's, bf16's
 INF_VARIANTS = {"zero0": ["zero.stage=0"], "zero1": ["zero.stage=1"],
                 "bf16": ["zero.stage=1", "precision=bf16", "parallel.backend=gloo"]}
+# an inf gradient with a finite loss (backward only): every ZeRO stage, fp32 and bf16
+INF_GRAD_VARIANTS = {f"{precision}_zero{stage}": [f"zero.stage={stage}", f"precision={precision}",
+                                                   "parallel.backend=gloo"]
+                     for precision in ("fp32", "bf16") for stage in range(4)}
 
 
 def data_overrides(shards, workers: int = 0) -> list[str]:
@@ -45,7 +49,8 @@ def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str
     message of a UsageError (a refused config) for a run that raised one.
 
     Faults are injected in this process: ("inf", calls) makes an activation of rank 1 infinite (the output of
-    the first encoder feed-forward) at its forward calls `calls`; "diverge" does so at calls 3, 5 and 6 and runs
+    the first encoder feed-forward) at its forward calls `calls`; ("inf_grad", calls) makes only the gradient of
+    that output infinite (the forward and the loss stay finite); "diverge" does so at calls 3, 5 and 6 and runs
     through `main` (which then tears the process group down: it must come last); "sigterm" sends SIGTERM to
     rank 1 itself after its second step.
     """
@@ -59,8 +64,8 @@ def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str
         if fault == "diverge":
             with inf_activation_at({3, 5, 6} if rank == 1 else set()):
                 codes.append(train_module.main(argv))
-        elif isinstance(fault, tuple) and fault[0] == "inf":
-            with inf_activation_at(fault[1] if rank == 1 else set()):
+        elif isinstance(fault, tuple):
+            with inf_activation_at(fault[1] if rank == 1 else set(), backward_only=fault[0] == "inf_grad"):
                 codes.append(train_module.train(load_config(Config, TINY, argv[2:])))
         elif fault == "sigterm":
             with _signal_after_steps(2 if rank == 1 else None, loop_module):
@@ -74,9 +79,10 @@ def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str
 
 
 @contextlib.contextmanager
-def inf_activation_at(calls: set[int]):
+def inf_activation_at(calls: set[int], backward_only: bool = False):
     """The first encoder layer's feed-forward output becomes +inf at the model's forward calls `calls` (counted
-    from 1): a real overflow inside the network, not a NaN put into the loss value."""
+    from 1): a real overflow inside the network, not a NaN put into the loss value. `backward_only`: the output
+    stays finite and its gradient becomes +inf (an overflow of the backward alone: the loss is finite)."""
     from pretrain.model.t5 import GatedFFN, T5Model
 
     forward, ffn_forward, count = T5Model.forward, GatedFFN.forward, [0]
@@ -91,7 +97,10 @@ def inf_activation_at(calls: set[int]):
         out = ffn_forward(self, x)
         if state["armed"]:
             state["armed"] = False  # once per forward: the first feed-forward reached
-            out = out + float("inf")
+            if backward_only:
+                out.register_hook(lambda grad: grad + float("inf"))
+            else:
+                out = out + float("inf")
         return out
 
     T5Model.forward, GatedFFN.forward = model_forward, ffn
@@ -127,7 +136,8 @@ def losses(run_dir: Path) -> list[float]:
 def zero_runs(shards, tmp_path_factory) -> dict[int | str, Path]:
     """In one TP 1 x DP 2 group, fp32, the same seed and data: {stage: run_dir} for ZeRO 0-3, "stopped":
     ZeRO 1 ended by train.exit_after=3; inf activations in micro batch 2 of 4 of step 2 at ZeRO 0 and ZeRO 1
-    (fp32) and bf16, each beside its clean twin; "diverge": ZeRO 1 with three overflows (exits EXIT_DIVERGED)."""
+    (fp32) and bf16, each beside its clean twin; an inf gradient alone at the same place at ZeRO 0-3 in fp32 and
+    bf16; "diverge": ZeRO 1 with three overflows (exits EXIT_DIVERGED)."""
     root = tmp_path_factory.mktemp("zero")
     base = [*COMMON, *data_overrides(shards)]
     runs = [(str(root / f"zero{s}"), [*base, f"zero.stage={s}"], None) for s in range(4)]
@@ -137,9 +147,12 @@ def zero_runs(shards, tmp_path_factory) -> dict[int | str, Path]:
     for name, extra in INF_VARIANTS.items():
         runs.append((str(root / f"clean_{name}"), [*base, *accumulate, *extra], None))
         runs.append((str(root / f"inf_{name}"), [*base, *accumulate, *extra], ("inf", {6})))
+    for name, extra in INF_GRAD_VARIANTS.items():
+        runs.append((str(root / f"inf_grad_{name}"), [*base, *accumulate, *extra], ("inf_grad", {6})))
     runs.append((str(root / "diverge"), [*base, "zero.stage=1", "checkpoint.every=2", "train.max_skipped_steps=2"],
                  "diverge"))
-    assert run_distributed(_train_each, 2, runs) == [[0] * (5 + 2 * len(INF_VARIANTS)) + [EXIT_DIVERGED]] * 2
+    assert run_distributed(_train_each, 2, runs) == \
+        [[0] * (5 + 2 * len(INF_VARIANTS) + len(INF_GRAD_VARIANTS)) + [EXIT_DIVERGED]] * 2
     return {p.name if not p.name.startswith("zero") else int(p.name[4:]): p for p in root.iterdir()}
 
 
@@ -207,7 +220,8 @@ def tp_runs(shards, tmp_path_factory) -> dict[str, Path]:
     """
     root = tmp_path_factory.mktemp("tp")
     base = [*COMMON, *data_overrides(shards), "eval.every=0"]
-    variants = {"vanilla": ["model.encoder_attention=vanilla", "model.decoder_attention=vanilla"],
+    # vanilla at ZeRO 0 (the gradient norm is ours: loop.grad_norm_over_tp), the mixture at tiny.yaml's ZeRO 1
+    variants = {"vanilla": ["model.encoder_attention=vanilla", "model.decoder_attention=vanilla", "zero.stage=0"],
                 "mixture": ["model.encoder_attention=dense+vanilla", "model.decoder_attention=random+vanilla"]}
     tp1 = [(str(root / f"{name}_tp1"), [*base, *extra], None) for name, extra in variants.items()]
     assert run_distributed(_train_each, 1, tp1) == [[0, 0]]
@@ -226,6 +240,9 @@ def test_tp2_matches_tp1(tp_runs, variant):
     reference = losses(tp_runs[f"{variant}_tp1"])
     assert len(reference) == STEPS
     torch.testing.assert_close(losses(tp_runs[f"{variant}_tp2"]), reference, rtol=1e-5, atol=0)
+    # the norm counts every parameter once: a replicated one (RMSNorm scales) is not summed over the TP ranks
+    grad_norms = [[r["grad_norm"] for r in read_metrics(tp_runs[f"{variant}_tp{tp}"])] for tp in (1, 2)]
+    torch.testing.assert_close(grad_norms[1], grad_norms[0], rtol=1e-4, atol=0)
 
 
 def test_resume_on_another_tp_layout_continues_the_curve(tp_runs):
@@ -324,19 +341,45 @@ def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shar
 @pytest.mark.parametrize("variant", list(INF_VARIANTS))
 def test_inf_activation_skips_the_whole_step_everywhere(zero_runs, variant):
     clean, run = read_metrics(zero_runs[f"clean_{variant}"]), read_metrics(zero_runs[f"inf_{variant}"])
-    assert [(r["step"], r["skipped_steps"]) for r in run] == [(1, 0), (2, 1), (3, 1), (4, 1)]
     assert run[0]["loss"] == clean[0]["loss"]  # step 1 is untouched
+    assert [r["lr"] for r in run] == [r["lr"] for r in clean]
+    _assert_step_2_skipped_once(zero_runs[f"inf_{variant}"])
+
+
+@pytest.mark.parametrize("variant", list(INF_GRAD_VARIANTS))
+def test_inf_gradient_with_a_finite_loss_skips_the_whole_step_everywhere(zero_runs, variant):
+    # DeepSpeed reports a non-finite gradient norm as -1.0: a check of loss + norm alone would apply this step
+    _assert_step_2_skipped_once(zero_runs[f"inf_grad_{variant}"])
+
+
+def _assert_step_2_skipped_once(run_dir: Path) -> None:
+    """The attempt at step 2 was skipped on every rank and the run went on: no update, no LR-schedule step, its
+    batches consumed, finite weights, DeepSpeed's count of applied steps equal to the trainer's."""
+    run = read_metrics(run_dir)
+    assert [(r["step"], r["skipped_steps"]) for r in run] == [(1, 0), (2, 1), (3, 1), (4, 1)]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in run)
     # the skipped attempt advanced neither the LR schedule nor the step count: step t still uses lr(t)
-    assert [r["lr"] for r in run] == [r["lr"] for r in clean] == pytest.approx([3e-3 * t / 10 for t in range(1, 5)])
+    assert [r["lr"] for r in run] == pytest.approx([3e-3 * t / 10 for t in range(1, 5)])
     assert run[-1]["tokens_seen"] == 5 * 8 * (64 + 14)  # the skipped step's batches were consumed
-    step4 = zero_runs[f"inf_{variant}"] / "checkpoints" / "step_4"
-    deepspeed_state = torch.load(step4 / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
+    step4 = run_dir / "checkpoints" / "step_4"
+    states = sorted(step4.glob("*mp_rank_00_model_states.pt"))[0]  # zero_pp_rank_0_mp_rank_00_... at ZeRO 3
+    deepspeed_state = torch.load(states, weights_only=False, map_location="cpu")
     # the trainer's count is DeepSpeed's: 5 optimizer calls, 1 of them not applied
     assert (deepspeed_state["global_steps"], deepspeed_state["skipped_steps"]) == (5, 1)
     assert json.loads((step4 / "trainer_state.json").read_text())["skipped_steps"] == 1
-    weights = deepspeed_state["module"]
-    assert weights and all(torch.isfinite(w.float()).all() for w in weights.values() if w.is_floating_point())
+    # the weights (ZeRO 3: only in the optimizer's partitions) and the optimizer's moments are finite
+    optimizer = [torch.load(f, weights_only=False, map_location="cpu") for f in step4.glob("*optim_states.pt")]
+    tensors = [t for t in _tensors([deepspeed_state, optimizer]) if t.is_floating_point()]
+    assert tensors and all(torch.isfinite(t.float()).all() for t in tensors)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return [t for item in obj for t in _tensors(item)] if isinstance(obj, (list, tuple)) else []
 
 
 def test_repeated_overflows_stop_the_run_on_the_last_good_checkpoint(zero_runs):

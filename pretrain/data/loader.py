@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 import signal
-import time
 from collections import deque
+from multiprocessing.connection import wait
 from typing import Iterator
 
 from torch.utils.data import DataLoader
@@ -25,6 +25,7 @@ from pretrain.data.remote import redact
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, WorkerRows, collate, examples, start_position
+from pretrain.faults import PREEMPTION_SIGNALS
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,10 @@ def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | N
 
 
 def _ignore_preemption_signals(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGUSR1 to the trainer: SLURM signals every process of a step, and a worker that
-    died of it would kill the trainer before it could checkpoint. Workers still exit when the trainer does."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    """Workers leave the preemption signals to the trainer: SLURM signals every process of a step (a terminal's
+    Ctrl-C every process of the foreground group), and a worker that died of one would kill the trainer before it
+    could checkpoint. Workers still exit when the trainer does."""
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -149,11 +151,13 @@ class TrainLoader:
             return next(self._iterator)
         except (ConnectionError, EOFError) as error:
             workers = getattr(self._iterator, "_workers", [])
-            # its sockets close a moment before it can be reaped (the kernel closes a dying process's files before
-            # it becomes a zombie, so even its ready sentinel can precede a waitpid that sees it): poll
-            deadline = time.monotonic() + 5
-            while all(w.exitcode is None for w in workers) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # a dying worker's files (its sockets, then the sentinel pipe) close a moment before the kernel lets it
+            # be reaped, a moment that can last seconds on a loaded machine: after the sentinel, join's blocking
+            # waitpid (a plain `exitcode` looks without waiting and can still see none)
+            ready = wait([w.sentinel for w in workers], timeout=5)
+            for w in workers:
+                if w.sentinel in ready:
+                    w.join()
             dead = [f"pid {w.pid}, {_ending(w.exitcode)}" for w in workers if w.exitcode is not None]
             if dead:
                 raise RuntimeError(f"DataLoader worker ({'; '.join(dead)}) exited unexpectedly; out of host "

@@ -21,8 +21,13 @@ from pretrain.config import UsageError
 VOCAB_PARAMETERS = ("embed.weight", "lm_head.weight")
 
 
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Each TP rank holds its own piece of `param`; otherwise every TP rank holds the same full copy."""
+    return getattr(param, "tensor_model_parallel", False)
+
+
 def _split(param: torch.Tensor) -> tuple[int | None, int]:
-    if not getattr(param, "tensor_model_parallel", False):
+    if not is_tp_sharded(param):
         return None, 1
     return param.partition_dim, param.partition_stride
 

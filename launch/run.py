@@ -1,0 +1,92 @@
+"""torchrun with the jobs' exit codes and signals:
+
+    python -m launch.run [torchrun options] -m pretrain.train --config FILE [section.key=value ...]
+
+torchrun itself (`torch.distributed.run`) takes SIGTERM and SIGINT in its agent: it passes them on to the ranks,
+SIGKILLs them 30 s later and exits 1 with a `SignalException` traceback, so a requeue wrapper never sees the
+ranks' "preempted, checkpoint saved" code; and a rank's one-line error is followed by torchrun's 30-line
+`ChildFailedError` report. This launcher runs torchrun itself (`torch.distributed.run.run`, its option parser and
+agent), so every torchrun option works (`--standalone`, `--nnodes`, `--rdzv-backend c10d`, ...), with two changes:
+- SIGTERM, SIGINT and SIGUSR1 are forwarded to the ranks, which decide what they mean (the jobs checkpoint and
+  exit 75: pretrain.faults), and the agent keeps watching the ranks until they exit;
+- the launcher exits with the ranks' code (`job_exit_code`) and prints nothing after their last line, except for
+  a rank killed by a signal, which could not say so itself (one line).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import types
+from typing import Sequence
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# the signals torchrun's agent keeps: it ends the ranks on them (after its shutdown timeout, by SIGKILL)
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def _children() -> list[int]:
+    """This process's children: the ranks (torchrun starts each as a subprocess of its agent, this process)."""
+    me, pids = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        except (OSError, IndexError):  # not a process, or one that ended meanwhile
+            continue
+        if fields[1] == me:
+            pids.append(int(entry))
+    return pids
+
+
+def _forward(signum: int, frame: types.FrameType | None) -> None:
+    ranks = _children()
+    if not ranks:  # before the ranks start (rendezvous): nothing to save, end as the signal would
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    for pid in ranks:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+
+
+def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
+    """The launcher's exit code from the ranks that ended non-zero ({global rank: exit code}, negative: killed by
+    that signal), and the line to print ("" for none).
+
+    Once a rank ends non-zero, torchrun's agent SIGTERMs the others (SIGKILL after its shutdown timeout) and
+    records how they ended too, so the ranks' own codes come first: the lowest such rank's (every rank of a usage
+    error or a preemption exits with the same one); only if every failing rank was killed, 128 + N as a shell
+    reports it. A rank killed by anything but the agent's SIGTERM could not say so itself: the line names it."""
+    own = sorted(rank for rank, code in codes.items() if code > 0)
+    killed = sorted(rank for rank, code in codes.items() if code < 0)
+    code = codes[own[0]] if own else 128 + -codes[killed[0]]
+    named = [f"rank {rank} was killed by {signal.Signals(-codes[rank]).name}" for rank in killed
+             if codes[rank] != -signal.SIGTERM]
+    return code, "; ".join(named)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # deferred: --help stays fast
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, _forward)
+    # the agent's own report of a failed rank (its exit code, pid, closing the others): the ranks said it already
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        code, line = job_exit_code({rank: failure.exitcode for rank, failure in e.failures.items()})
+        if line:
+            print(f"launch.run: {line}", file=sys.stderr)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
