@@ -85,9 +85,9 @@ def test_a_failing_shard_is_reported_without_its_credentials(flaky, caplog):
     server.requests += [("", {})] * 3  # past the failing requests: the server answers
     caplog.set_level(logging.WARNING)
     url = f"{base}/missing.tar?token={TOKEN}"
-    spec = StreamSpec(shards=(url,), seed=0, dp_rank=0, dp_size=1, num_streams=1, raw_length=8, input_length=8,
-                      target_length=4, block_chunks=1, num_ids=1100, eos_id=1, noise_density=0.15,
-                      mean_noise_span_length=3.0, micro_batch=1, expected_docs=None)
+    spec = StreamSpec(shards=(url,), seed=0, num_streams=1, raw_length=8, input_length=8, target_length=4,
+                      block_chunks=1, num_ids=1100, eos_id=1, noise_density=0.15, mean_noise_span_length=3.0,
+                      expected_docs=None)
     damaged = [0]
     assert list(_read_checked(spec, url, 0, damaged)) == [] and damaged == [1]
     [line] = [r.getMessage() for r in caplog.records]
