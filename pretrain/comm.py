@@ -10,8 +10,9 @@ collectives through the real engine):
   dtype (fp32 for bf16/fp16 at ZeRO >= 1, pretrain.engine): exposed, nothing computes meanwhile.
 - ZeRO 1 and 2: after the optimizer step each rank's updated partition of the weights is all-gathered (model
   dtype, buckets of `zero.allgather_bucket_size` per parameter group): exposed.
-- ZeRO 2: every micro batch's backward reduce-scatters the gradients in buckets of `zero.reduce_bucket_size`,
-  overlapped with the rest of that backward when `zero.overlap_comm` (the last bucket is not).
+- ZeRO 2: every micro batch's backward all-reduces the gradients in buckets of `zero.reduce_bucket_size` (each
+  rank then keeps its partition: `allreduce_and_scatter`, not a reduce-scatter), on a side stream overlapped with
+  the rest of that backward when `zero.overlap_comm`.
 - ZeRO 3: weights all-gathered per layer in every forward and backward, gradients reduce-scattered, both
   prefetched/overlapped (counted as overlapped).
 - TP (megatron, no sequence parallelism): an all-reduce of the activations [b, n, d_model] after each
@@ -102,8 +103,8 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
         else:
             calls = _ceil_div(num_params, zero.reduce_bucket_size) * accumulation
             overlapped = zero.overlap_comm or stage == 3
-            found.append(Collective("gradients", "reduce_scatter", calls, grads * accumulation, dp, dp_gbps,
-                                    overlapped))
+            op = "all_reduce" if stage == 2 else "reduce_scatter"
+            found.append(Collective("gradients", op, calls, grads * accumulation, dp, dp_gbps, overlapped))
         if stage in (1, 2):
             # per parameter group (pretrain.engine.param_groups: the matrices, and the vectors in one more call)
             found.append(Collective("weights", "all_gather", _ceil_div(num_params, zero.allgather_bucket_size) + 1,

@@ -2,9 +2,11 @@
 size-config recipe (bf16, ZeRO 1, fused AdamW in two groups) at tiny dimensions, 2 gloo ranks, a few steps."""
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import run_distributed
 
-COUNTED = ("all_reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "broadcast")
+COUNTED = ("all_reduce", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "broadcast")
 TINY = ["model.vocab_size=1100", "model.d_model=64", "model.d_ff=128", "model.num_heads=4", "model.num_layers=2",
         "model.num_decoder_layers=2", "model.max_length=64", "data.input_length=64", "train.micro_batch=2",
         "train.global_batch=4"]
@@ -62,7 +64,8 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
     return {"calls": calls, "num_params": sum(p.numel() for p in model.parameters())}
 
 
-def test_collectives_per_step_are_the_planners():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_collectives_per_step_are_the_planners(stage):
     """bf16 at ZeRO 1 (BF16_Optimizer): per step one bucketed fp32 all-reduce of all gradients and one bf16
     all-gather of the weights per parameter group (one call each here: far under the bucket sizes), not one per
     parameter, with
@@ -71,10 +74,10 @@ def test_collectives_per_step_are_the_planners():
     from pretrain.comm import estimate_comm
     from pretrain.config import Config, load_config
 
-    steps = 2
-    results = run_distributed(_count_collectives, 2, steps, TINY)
-    cfg = load_config(Config, "configs/small.yaml", TINY)
-    assert (cfg.precision, cfg.zero.stage) == ("bf16", 1)
+    steps, overrides = 2, [*TINY, f"zero.stage={stage}", "zero.reduce_bucket_size=200000"]
+    results = run_distributed(_count_collectives, 2, steps, overrides)
+    cfg = load_config(Config, "configs/small.yaml", overrides)
+    assert cfg.precision == "bf16" and load_config(Config, "configs/small.yaml").zero.stage == 1  # as shipped
     for result in results:
         calls, num_params = result["calls"], result["num_params"]
         est = estimate_comm(cfg, 1, 2, 2, 1, 6, num_params, 1.0, gpus_per_node=8)
@@ -85,10 +88,26 @@ def test_collectives_per_step_are_the_planners():
         step = calls[:per_step]
         gradients = [nbytes for op, nbytes in step if op == "all_reduce" and nbytes > 64]
         weights = [nbytes for op, nbytes in step if op == "all_gather_into_tensor"]  # each rank's partition
-        assert len(gradients) == expected["gradients"].calls == 1, step
+        assert len(gradients) == expected["gradients"].calls == (1 if stage == 1 else 4), step
         assert len(weights) == expected["weights"].calls == 2, step  # one per parameter group
-        assert abs(gradients[0] - expected["gradients"].nbytes) <= 0.01 * expected["gradients"].nbytes
+        assert abs(sum(gradients) - expected["gradients"].nbytes) <= 0.01 * expected["gradients"].nbytes
         assert abs(2 * sum(weights) - expected["weights"].nbytes) <= 0.01 * expected["weights"].nbytes
         # the rest are scalars (the loss, the optimizer's norm and overflow checks): a few, not one per parameter
         rest = [call for call in step if call[1] <= 64]
-        assert len(rest) + len(gradients) + len(weights) == len(step) and len(rest) <= 6, step
+        assert len(rest) + len(gradients) + len(weights) == len(step) and len(rest) <= 8, step
+
+
+def test_planner_prints_the_exposed_share(capsys):
+    """xl at 4 x 8: ZeRO 1 leaves the gradient all-reduce and the all-gather exposed (44% of the step at the
+    default links); ZeRO 2 overlaps the gradients with the backward; a slower network raises the share."""
+    from pretrain.plan import main
+
+    def exposed(*args: str) -> str:
+        assert main(["--config", "configs/xl.yaml", "--nodes", "4", *args]) == 0
+        return capsys.readouterr().out.strip().splitlines()[-2].rsplit("(", 1)[1]
+
+    assert exposed() == "44% exposed)"
+    assert exposed("zero.stage=2") == "14% exposed)"
+    assert exposed("--link-gbps", "100") == "76% exposed)"
+    assert main(["--config", "configs/xl.yaml", "--link-gbps", "0"]) == 2
+    assert capsys.readouterr().err == "pretrain.plan: --link-gbps, --nvlink-gbps and --gpu-tflops must be > 0\n"
