@@ -1,5 +1,6 @@
-"""The planner's communication estimate (pretrain.comm) against the collectives the real engine runs: the shipped
-size-config recipe (bf16, ZeRO 1, fused AdamW in two groups) at tiny dimensions, 2 gloo ranks, a few steps."""
+"""What one training step costs besides compute, through the real engine with the shipped size-config recipe
+(bf16, ZeRO 1, fused AdamW in two groups) at tiny dimensions, 2 gloo ranks, a few steps: its collectives against
+the planner's estimate (pretrain.comm), and its host synchronisations."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ COUNTED = ("all_reduce", "reduce", "all_gather_into_tensor", "all_gather", "redu
 TINY = ["model.vocab_size=1100", "model.d_model=64", "model.d_ff=128", "model.num_heads=4", "model.num_layers=2",
         "model.num_decoder_layers=2", "model.max_length=64", "data.input_length=64", "train.micro_batch=2",
         "train.global_batch=4"]
+STEPS = 2
 
 
 def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) -> dict:
@@ -38,7 +40,10 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
         setattr(c10d, name, wrapped)
 
     from pretrain.config import Config, load_config
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from pretrain.engine import build_engine
+    from pretrain.faults import PreemptionFlag
     from pretrain.loop import train_step
     from pretrain.model import build_model
     from pretrain.parallel import init_distributed
@@ -55,17 +60,34 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
             yield dict(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
                        labels=ids[:, 1:7])
 
-    stream = batches()
+    class HostSyncs(TorchDispatchMode):
+        """aten._local_scalar_dense: what .item(), bool(tensor), .tolist() and float(tensor) wait on."""
+
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostSyncs.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    stream, preemption = batches(), PreemptionFlag()
     train_step(engine, stream, 1, dims)  # the first step allocates; counted from the second
     counting[0] = True
-    for _ in range(steps):
-        train_step(engine, stream, 1, dims)
+    with HostSyncs():
+        for _ in range(steps):  # what pretrain.loop.run_loop does between log steps
+            assert train_step(engine, stream, 1, dims).applied
+            assert not preemption.agreed(dims.device)
     counting[0] = False
-    return {"calls": calls, "num_params": sum(p.numel() for p in model.parameters())}
+    return {"calls": calls, "num_params": sum(p.numel() for p in model.parameters()), "syncs": HostSyncs.count}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_collectives_per_step_are_the_planners(stage):
+@pytest.fixture(scope="module", params=[1, 2])
+def counted(request) -> tuple[int, list[dict]]:
+    """(ZeRO stage, per-rank counts of STEPS steps); ZeRO 2 with buckets of 200k elements."""
+    overrides = [*TINY, f"zero.stage={request.param}", "zero.reduce_bucket_size=200000"]
+    return request.param, run_distributed(_count_collectives, 2, STEPS, overrides)
+
+
+def test_collectives_per_step_are_the_planners(counted):
     """bf16 at ZeRO 1 (BF16_Optimizer): per step one bucketed fp32 all-reduce of all gradients and one bf16
     all-gather of the weights per parameter group (one call each here: far under the bucket sizes), not one per
     parameter, with
@@ -74,8 +96,8 @@ def test_collectives_per_step_are_the_planners(stage):
     from pretrain.comm import estimate_comm
     from pretrain.config import Config, load_config
 
-    steps, overrides = 2, [*TINY, f"zero.stage={stage}", "zero.reduce_bucket_size=200000"]
-    results = run_distributed(_count_collectives, 2, steps, overrides)
+    stage, results = counted
+    steps, overrides = STEPS, [*TINY, f"zero.stage={stage}", "zero.reduce_bucket_size=200000"]
     cfg = load_config(Config, "configs/small.yaml", overrides)
     assert cfg.precision == "bf16" and load_config(Config, "configs/small.yaml").zero.stage == 1  # as shipped
     for result in results:
@@ -95,6 +117,15 @@ def test_collectives_per_step_are_the_planners(stage):
         # the rest are scalars (the loss, the optimizer's norm and overflow checks): a few, not one per parameter
         rest = [call for call in step if call[1] <= 64]
         assert len(rest) + len(gradients) + len(weights) == len(step) and len(rest) <= 8, step
+
+
+def test_host_syncs_per_step(counted):
+    """As shipped (ZeRO 1, BF16_Optimizer), per step: the step-skip agreement (DeepSpeed's check of the gradient
+    norm) and the preemption check; nothing else waits for the device (DeepSpeed's clipping branched on the norm:
+    a third, pretrain.engine clips on the device). ZeRO 2, not shipped, keeps DeepSpeed's own: 5 per step."""
+    stage, results = counted
+    per_step = {1: 2, 2: 5}[stage]
+    assert [result["syncs"] for result in results] == [per_step * STEPS] * 2
 
 
 def test_planner_prints_the_exposed_share(capsys):
