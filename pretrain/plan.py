@@ -6,7 +6,8 @@
 It runs the trainer's own start-up checks (`check_job`: the parallel layout, the batch split, every engine
 option; the trainer calls the same function), estimates the memory per GPU (pretrain.memory: model states
 per ZeRO stage, activations traced on the meta device for the configured mixers, with and without
-recompute, buffers) and the model FLOPs per step, and ends with a verdict: exit 0 and
+recompute, buffers), the model FLOPs per step and the step's communication (pretrain.comm: collectives,
+bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), and ends with a verdict: exit 0 and
 `fits: X of M GiB`, or exit 2 and one line naming what does not fit and the first setting to change.
 
 `train.micro_batch: auto` is resolved here as well: the largest micro batch that divides the per-rank batch
