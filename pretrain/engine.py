@@ -61,7 +61,8 @@ def build_deepspeed_config(
         "train_batch_size": train.global_batch,  # = micro x accumulation x DP; DeepSpeed re-checks it
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": train.grad_clip,  # global norm over DP and TP (the mpu makes it TP-aware)
+        # global norm over DP and TP (the mpu makes it TP-aware); BF16_Optimizer's clipping is ours (_clip_on_device)
+        "gradient_clipping": 0.0 if _takes_bf16_optimizer(precision, zero.stage) else train.grad_clip,
         "zero_optimization": _zero_section(zero),
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 1000},
@@ -96,6 +97,29 @@ def build_deepspeed_config(
     else:
         ds["zero_allow_untested_optimizer"] = True  # a client optimizer (torch's Adafactor) at ZeRO 0
     return ds
+
+
+def _takes_bf16_optimizer(precision: str, stage: int) -> bool:
+    """DeepSpeed 0.19 wraps the optimizer in its BF16_Optimizer for a bf16 model with fp32 gradient accumulation
+    at ZeRO 1 (engine._do_optimizer_sanity_check), which build_deepspeed_config sets up for bf16 at ZeRO 1."""
+    return precision == "bf16" and stage == 1
+
+
+def _clip_on_device(bf16_optimizer, max_norm: float) -> None:
+    """Clip BF16_Optimizer's gradients by their global norm as DeepSpeed would, without its `if clip_coef < 1`
+    (runtime/utils.py clip_tensors_by_global_norm), which waits for the device at every step: the factor
+    min(1, max_norm / (norm + 1e-6)) stays on the device and scales the fp32 gradient partitions the wrapped
+    optimizer is about to read, after the optimizer's skip check has passed on the same norm."""
+    inner = bf16_optimizer.optimizer
+    step = inner.step
+
+    def clipped_step(*args, **kwargs):
+        norm = torch.as_tensor(bf16_optimizer._global_grad_norm)
+        grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].device))
+        return step(*args, **kwargs)
+
+    inner.step = clipped_step
 
 
 def _zero_section(zero: ZeroConfig) -> dict[str, Any]:
@@ -170,6 +194,9 @@ def build_engine(
         mpu=deepspeed_mpu(),
         config=ds_config,
     )
+    if _takes_bf16_optimizer(precision, zero.stage) and train.grad_clip > 0:
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer", type(engine.optimizer)
+        _clip_on_device(engine.optimizer, train.grad_clip)
     log.info(
         "engine: ZeRO %d, %s, %s, global batch %d = micro %d x accumulation %d x DP %d",
         zero.stage, precision, train.optimizer, train.global_batch, train.micro_batch,

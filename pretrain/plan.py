@@ -6,7 +6,8 @@
 It runs the trainer's own start-up checks (`check_job`: the parallel layout, the batch split, every engine
 option; the trainer calls the same function), estimates the memory per GPU (pretrain.memory: model states
 per ZeRO stage, activations traced on the meta device for the configured mixers, with and without
-recompute, buffers) and the model FLOPs per step, and ends with a verdict: exit 0 and
+recompute, buffers), the model FLOPs per step and the step's communication (pretrain.comm: collectives,
+bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), and ends with a verdict: exit 0 and
 `fits: X of M GiB`, or exit 2 and one line naming what does not fit and the first setting to change.
 
 `train.micro_batch: auto` is resolved here as well: the largest micro batch that divides the per-rank batch
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pretrain.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.config import Config, UsageError, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.engine import build_deepspeed_config
@@ -175,9 +177,12 @@ def _with(cfg: Config, section: str, **changes) -> Config:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int) -> str:
-    """The planner's table: layout, memory per GPU (GiB), FLOPs."""
+def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_per_node: int = 8,
+           link_gbps: float = IB_GBPS, nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS) -> str:
+    """The planner's table: layout, memory per GPU (GiB), FLOPs, communication per step."""
     flops = cfg.train.global_batch * flops_per_sequence(_resolved(cfg).model, layout.input_length, layout.target_length)
+    comm = estimate_comm(cfg, layout.tp, layout.dp, layout.micro_batch, layout.accumulation, layout.target_length,
+                         est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops)
     g = lambda nbytes: f"{nbytes / GiB:7.2f}"  # noqa: E731
     lines = [
         f"layout: {layout.world} GPUs = TP {layout.tp} x DP {layout.dp}, ZeRO {layout.zero_stage}, {cfg.precision}; "
@@ -193,6 +198,7 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int) -> str
         f"  buffers              {g(est.buffers)}",
         f"  total                {g(est.total)}   of {memory / GiB:.0f}",
         f"model FLOPs per step: {flops:.3e} ({flops / layout.world:.3e} per GPU)",
+        *describe(comm, link_gbps, nvlink_gbps, gpu_tflops),
     ]
     return "\n".join(lines)
 
@@ -204,16 +210,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB")
+    parser.add_argument("--link-gbps", type=float, default=IB_GBPS,
+                        help=f"inter-node bandwidth per GPU in Gb/s (default {IB_GBPS:.0f}: one NDR InfiniBand NIC)")
+    parser.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS,
+                        help=f"intra-node bandwidth per GPU in Gb/s (default {NVLINK_GBPS:.0f}: H100 NVLink 4)")
+    parser.add_argument("--gpu-tflops", type=float, default=GPU_TFLOPS,
+                        help=f"peak dense bf16 TFLOP/s of one GPU (default {GPU_TFLOPS:.0f}: H100 SXM)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     memory = int(args.gpu_memory_gb * GiB)
     try:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise UsageError("--nodes and --gpus-per-node must be >= 1")
+        if min(args.link_gbps, args.nvlink_gbps, args.gpu_tflops) <= 0:
+            raise UsageError("--link-gbps, --nvlink-gbps and --gpu-tflops must be > 0")
         cfg = load_config(Config, args.config, args.overrides)
         layout = check_job(cfg, args.nodes * args.gpus_per_node, memory)
         est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cuda")
-        print(report(cfg, layout, est, memory))
+        print(report(cfg, layout, est, memory, args.gpus_per_node, args.link_gbps, args.nvlink_gbps,
+                     args.gpu_tflops))
         if est.total > memory:
             raise UsageError(_advice(cfg, layout, est, memory, "cuda"))
     except UsageError as e:
