@@ -120,15 +120,24 @@ def export_torch_env(d: DistEnv) -> None:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def die_with_parent(sig: int, parent: int | None = None) -> None:
+    """Ask the kernel for `sig` to this process when its parent dies, however it dies (SIGKILL, SIGABRT, the OOM
+    killer): no code of the parent needs to run. A parent gone before the request sends nothing, so then the
+    signal is sent here: `parent` is the parent's pid, if known (else an orphan shows as the child of pid 1).
+    Linux only (prctl); elsewhere nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1 or parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def init_launcher_death_signal() -> None:
     """Under torchrun's agent (torchrun, launch.run): SIGTERM to this rank when the agent dies, however it dies.
     A launcher killed by SIGKILL (the OOM killer, a node agent) forwards nothing, and its ranks would train on as
     orphans holding the run lock; the jobs take SIGTERM as preemption (checkpoint, exit). Linux only (prctl);
     elsewhere, and under srun, whose step daemon ends its tasks itself, nothing is done."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the agent died before the request: no signal will come
-        os.kill(os.getpid(), signal.SIGTERM)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(signal.SIGTERM)

@@ -10,7 +10,8 @@ agent), so every torchrun option works (`--standalone`, `--nnodes`, `--rdzv-back
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the ranks, which decide what they mean (the jobs checkpoint and
   exit 75: pretrain.faults), and the agent keeps watching the ranks until they exit;
 - the launcher exits with the ranks' code (`job_exit_code`) and prints nothing after their last line, except for
-  a rank killed by a signal, which could not say so itself (one line).
+  a rank killed by a signal, which could not say so itself (one line); a rank that crashed (SIGABRT, SIGSEGV...)
+  makes it 128 + N, never the ranks' "preempted" code, so a requeue wrapper does not requeue a crash.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from typing import Sequence
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # the signals torchrun's agent keeps: it ends the ranks on them (after its shutdown timeout, by SIGKILL)
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+# how the agent ends the other ranks once one failed: a rank ended so did not crash
+AGENT_KILLS = (signal.SIGTERM, signal.SIGKILL)
+# the jobs' "preempted, checkpoint saved" code (pretrain.faults.EXIT_PREEMPTED; not imported: that loads megatron,
+# seconds of CPU on the way out; tests/test_faults.py checks that they agree)
+EXIT_PREEMPTED = 75
 
 
 def _children() -> list[int]:
@@ -57,12 +63,21 @@ def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
     that signal), and the line to print ("" for none).
 
     Once a rank ends non-zero, torchrun's agent SIGTERMs the others (SIGKILL after its shutdown timeout) and
-    records how they ended too, so the ranks' own codes come first: the lowest such rank's (every rank of a usage
-    error or a preemption exits with the same one); only if every failing rank was killed, 128 + N as a shell
-    reports it. A rank killed by anything but the agent's SIGTERM could not say so itself: the line names it."""
+    records how they ended too. So the ranks' own codes come first: the lowest such rank's (every rank of a usage
+    error exits with the same one), a "preempted" 75 (requeue) last, and only if no rank crashed, that is died of
+    a signal other than the agent's TERM and KILL (SIGABRT: NCCL's watchdog, a C++ error; SIGSEGV ...): a crash is
+    128 + N as a shell reports it, as is a failure where every failing rank was killed. A rank killed by anything
+    but the agent's SIGTERM could not say so itself: the line names it."""
     own = sorted(rank for rank, code in codes.items() if code > 0)
     killed = sorted(rank for rank, code in codes.items() if code < 0)
-    code = codes[own[0]] if own else 128 + -codes[killed[0]]
+    crashed = [rank for rank in killed if -codes[rank] not in AGENT_KILLS]
+    failed = [rank for rank in own if codes[rank] != EXIT_PREEMPTED]
+    if failed:  # an error, a usage mistake, a divergence: in the ranks' own words
+        code = codes[failed[0]]
+    elif own and not crashed:  # every rank that ended by itself saved its checkpoint and exited 75
+        code = EXIT_PREEMPTED
+    else:
+        code = 128 + -codes[(crashed or killed)[0]]
     named = [f"rank {rank} was killed by {signal.Signals(-codes[rank]).name}" for rank in killed
              if codes[rank] != -signal.SIGTERM]
     return code, "; ".join(named)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import run as launch_run
 from pretrain.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.distributed import _free_port, launch_like_srun, run_distributed
 from tests.test_train import COMMON, REPO, TINY, data_overrides
@@ -222,6 +223,34 @@ def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
     assert _last_line(run_dir) == "pretrain.train: error: train.exit_after (-1) must be >= 0"
 
 
+# rank 1 crashes (NCCL's watchdog ends a rank with std::abort) while rank 0, preempted, saved and exits 75
+_CRASH_WHILE_PREEMPTED = """
+import os, signal, sys, time
+flag = sys.argv[1]
+if os.environ["RANK"] == "1":
+    open(flag + ".tmp", "w").write(str(os.getpid()))
+    os.rename(flag + ".tmp", flag)
+    os.abort()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent's SIGTERM, once rank 1 died: the trainer exits 75 anyway
+while not os.path.exists(flag):
+    time.sleep(0.05)
+stat = f"/proc/{open(flag).read()}/stat"
+while os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.05)
+sys.exit(75)
+"""
+
+
+def test_a_crashed_rank_is_never_reported_as_preempted(tmp_path):
+    assert launch_run.EXIT_PREEMPTED == EXIT_PREEMPTED  # the launcher's copy of the number
+    script = tmp_path / "ranks.py"
+    script.write_text(_CRASH_WHILE_PREEMPTED)
+    out = subprocess.run([sys.executable, "-m", "launch.run", "--standalone", "--nproc-per-node", "2", str(script),
+                          str(tmp_path / "pid")], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 128 + signal.SIGABRT, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == "launch.run: rank 1 was killed by SIGABRT"
+
+
 def _processes() -> dict[int, tuple[str, int]]:
     """{pid: (state, parent pid)} of every process."""
     found = {}
@@ -260,3 +289,21 @@ def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
     assert _lock_free(run_dir)
     step = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / step / "complete.json").is_file()
+
+
+def test_an_aborted_rank_leaves_no_loader_worker_and_frees_the_run_lock(shards, tmp_path):
+    # NCCL's watchdog ends a rank with std::abort (SIGABRT): no `finally`, no stop_child_processes. Rank 0 holds the
+    # run lock, which its forked loader worker shares; the worker is stopped first (busy: a slow shard read), so
+    # torch's own check for a dead parent, every 5 s between batches, cannot end it (before PR_SET_PDEATHSIG it
+    # lived on, holding the lock and rank 0's stderr: the job "hung")
+    abort = ("workers = [c.pid for c in multiprocessing.active_children()]; "
+             "print('workers', *workers, file=sys.stderr, flush=True); "
+             "[os.kill(pid, signal.SIGSTOP) for pid in workers]; os.abort()")
+    results = launch_like_srun(2, _code(0, abort), _argv(tmp_path, shards), cwd=REPO)
+    assert [code for code, _ in results] == [-signal.SIGABRT, EXIT_FAILED], results[0][1][-2000:]
+    workers = [int(pid) for pid in next(l for l in results[0][1].splitlines() if l.startswith("workers")).split()[1:]]
+    alive = [pid for pid in workers if _processes().get(pid, ("Z",))[0] != "Z"]
+    for pid in alive:  # the old behaviour: end them here, so the test leaves nothing behind
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not alive
+    assert _lock_free(tmp_path)

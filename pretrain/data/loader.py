@@ -12,7 +12,9 @@ changed one is refused, since the saved positions would then repeat or skip text
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import os
 import signal
 from collections import deque
 from multiprocessing.connection import wait
@@ -20,6 +22,7 @@ from typing import Iterator
 
 from torch.utils.data import DataLoader
 
+from launch.env import die_with_parent
 from pretrain.config import DataConfig, UsageError
 from pretrain.data.remote import redact
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
@@ -70,12 +73,15 @@ def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | N
     return tuple(counts[n] for n in names) if all(n in counts for n in names) else None
 
 
-def _ignore_preemption_signals(worker_id: int) -> None:
+def _worker_init(trainer: int, worker_id: int) -> None:
     """Workers leave the preemption signals to the trainer: SLURM signals every process of a step (a terminal's
     Ctrl-C every process of the foreground group), and a worker that died of one would kill the trainer before it
-    could checkpoint. Workers still exit when the trainer does."""
+    could checkpoint. Workers end with the trainer (pid `trainer`) however it ends: a trainer that aborts (NCCL's
+    watchdog) or is SIGKILLed runs no cleanup, and a forked worker holds the trainer's files (the run lock, its
+    sockets, its stderr) until it exits; torch's own check for a dead parent runs only between batches."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL, trainer)
 
 
 def _ending(exitcode: int) -> str:
@@ -119,7 +125,7 @@ class TrainLoader:
         source = WorkerRows(self.spec, self.streams, copy.deepcopy(self.positions), self.workers)
         loader = DataLoader(source, batch_size=None, collate_fn=_identity, num_workers=self.workers,
                             persistent_workers=False, prefetch_factor=4 if self.workers else None,
-                            worker_init_fn=_ignore_preemption_signals)
+                            worker_init_fn=functools.partial(_worker_init, os.getpid()))
         self.close()
         self._iterator = iter(loader)
         queues: dict[int, deque] = {s: deque() for s in self.streams}
