@@ -38,8 +38,9 @@ export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))
 EXIT_RESTARTS=4  # distinct from the jobs' codes (pretrain/faults.py: 0, 1, 2, 3, 75)
 # read, not imported: importing pretrain.faults would load torch and megatron for one number
 EXIT_PREEMPTED=$(sed -n 's/^EXIT_PREEMPTED = \([0-9]*\).*/\1/p' pretrain/faults.py)
+source slurm/step_exit.sh
 run_requeueable() {
-  local module=$1 restarts=${SLURM_RESTART_COUNT:-0} signalled="" step rc
+  local module=$1 restarts=${SLURM_RESTART_COUNT:-0} signalled="" step reader rc
   shift
   if [ "$restarts" -gt "$MAX_RESTARTS" ]; then
     echo "$module: job $SLURM_JOB_ID restarted $restarts times (MAX_RESTARTS=$MAX_RESTARTS); giving up" >&2
@@ -51,17 +52,30 @@ run_requeueable() {
   # is, but turns a TERM into SIGKILL)
   trap 'signalled=USR1; kill -s USR1 "$step" 2>/dev/null' USR1
   trap 'signalled=TERM; kill -s USR1 "$step" 2>/dev/null' TERM
-  srun "${STEP_LAYOUT[@]}" "$PYTHON" -m "$module" "$@" &
+  # srun's stderr (its own line per ended task, and the tasks' stderr) passes through a reader that keeps srun's
+  # lines for step_exit_code; the reader ignores the signals SLURM sends the batch step
+  local tmp
+  tmp=$(mktemp -d)
+  mkfifo "$tmp/stderr"
+  (trap '' TERM USR1 INT
+   while IFS= read -r line || [ -n "$line" ]; do
+     printf '%s\n' "$line" >&2
+     if [[ $line == "srun: error: "* ]]; then printf '%s\n' "$line" >> "$tmp/srun"; fi
+   done < "$tmp/stderr") &
+  reader=$!
+  srun "${STEP_LAYOUT[@]}" "$PYTHON" -m "$module" "$@" 2> "$tmp/stderr" &
   step=$!
   # `wait` returns early when a trapped signal arrives: wait until the step is gone, then ask bash for its
   # status, which it keeps for finished background jobs
   wait "$step"
   while kill -0 "$step" 2>/dev/null; do wait "$step"; done
   wait "$step"; rc=$?
-  # with --kill-on-bad-exit the first task to exit 75 gets its peers killed while they exit too (their checkpoint
-  # is saved by then: every rank passed the save's last barrier), so after our own USR1 a step that ended by a
-  # signal is the preemption we asked for; an incomplete save would have no marker and is never resumed
-  if [ "$signalled" = USR1 ] && [ "$rc" -gt 128 ]; then rc=$EXIT_PREEMPTED; fi
+  while kill -0 "$reader" 2>/dev/null; do wait "$reader"; done
+  touch "$tmp/srun"
+  # a task's own 75 is the preemption, also when --kill-on-bad-exit then killed the others (srun: 137); a crashed
+  # task (SIGABRT, SIGSEGV...) never is (slurm/step_exit.sh)
+  rc=$(step_exit_code "$rc" "$tmp/srun" "$module")
+  rm -rf "$tmp"
   if [ "$rc" -eq "$EXIT_PREEMPTED" ] && [ "$signalled" != TERM ]; then
     if [ "$restarts" -lt "$MAX_RESTARTS" ]; then
       echo "$module: checkpoint saved, requeueing job $SLURM_JOB_ID (restart $(( restarts + 1 )))"

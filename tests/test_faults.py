@@ -251,6 +251,35 @@ def test_a_crashed_rank_is_never_reported_as_preempted(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == "launch.run: rank 1 was killed by SIGABRT"
 
 
+# srun's line per ended task (its format: "srun: error: HOSTS: task(s) IDS: strsignal, or exit code") and srun's
+# code (128 + the highest signal of any task, above every exit code) -> slurm/job.sh's code, and its crash line
+_KILLED = "srun: error: node1: task 0: Killed"  # --kill-on-bad-exit ending the others
+_ABORTED = "srun: error: node2: task 1: Aborted (core dumped)"
+_CRASH = "pretrain.train: task 1 crashed ({}): not a preemption, not requeued\n"
+_STEPS = {
+    "preempted, peers killed while exiting": (137, ["srun: error: node2: task 1: Exited with exit code 75", _KILLED],
+                                              EXIT_PREEMPTED, ""),
+    "every task preempted": (75, ["srun: error: node[1-2]: tasks 0-1: Exited with exit code 75"], EXIT_PREEMPTED, ""),
+    "aborted (NCCL's watchdog)": (137, [_ABORTED, _KILLED], 134, _CRASH.format("Aborted (core dumped)")),
+    "aborted while another saved": (134, ["srun: error: node1: task 0: Exited with exit code 75", _ABORTED], 134,
+                                    _CRASH.format("Aborted (core dumped)")),
+    "segfault": (139, ["srun: error: node2: task 1: Segmentation fault", _KILLED], 139,
+                 _CRASH.format("Segmentation fault")),
+    "an error": (137, ["srun: error: node2: task 1: Exited with exit code 1", _KILLED], EXIT_FAILED, ""),
+    "a lost node": (137, ["srun: error: node2: task 1: Killed", _KILLED], 137, ""),
+}
+
+
+@pytest.mark.parametrize("step", _STEPS)
+def test_job_sh_requeues_a_tasks_own_preemption_only(tmp_path, step):
+    srun_code, lines, code, line = _STEPS[step]
+    (tmp_path / "srun").write_text("".join(f"{line}\n" for line in ["srun: Job step aborted", *lines]))
+    out = subprocess.run(["bash", "-c", f"EXIT_PREEMPTED={EXIT_PREEMPTED}; source slurm/step_exit.sh; "
+                          f"step_exit_code {srun_code} {tmp_path / 'srun'} pretrain.train"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    assert (int(out.stdout), out.stderr) == (code, line)
+
+
 def _processes() -> dict[int, tuple[str, int]]:
     """{pid: (state, parent pid)} of every process."""
     found = {}
