@@ -104,6 +104,14 @@ def _free_port() -> int:
 # job's environment (launch.local, slurm/site.sh); pretrain.parallel sets it too, for launches that did not.
 CUDA_CONNECTIONS = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
+# What NCCL's watchdog does with a collective that timed out (or failed): 3, torch's own default, takes the
+# process down at once (std::abort: SIGABRT, exit 134, no Python `finally`) without first aborting the NCCL
+# communicators, which can itself hang; 1, what torchrun's agent sets when the variable is unset, aborts them
+# first. Never 2 (abort the communicators, let Python go on): the CUDA stream's results are then unknown, and a
+# rank could go on to save a checkpoint of them. The launchers set 3 (launch.run, slurm/site.sh), so srun and
+# torchrun jobs end alike; docs/training.md has what a user sees.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+
 
 def export_torch_env(d: DistEnv) -> None:
     """Set the variables torch.distributed's env:// rendezvous reads (a no-op under torchrun)."""

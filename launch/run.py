@@ -22,6 +22,8 @@ import sys
 import types
 from typing import Sequence
 
+from launch.env import NCCL_ERROR_HANDLING
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # the signals torchrun's agent keeps: it ends the ranks on them (after its shutdown timeout, by SIGKILL)
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -88,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (launch/env.py)
     args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _forward)

@@ -35,4 +35,7 @@ site_setup() {
   # Megatron's setting for tensor parallelism (launch/env.py, CUDA_CONNECTIONS): CUDA reads it when a process
   # creates its CUDA context, so it belongs in the job's environment, before any process starts
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+  # a timed-out NCCL collective ends its rank at once (SIGABRT), as under launch.run (launch/env.py,
+  # NCCL_ERROR_HANDLING); job.sh reports that as a crash, never as a preemption
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 }

@@ -22,7 +22,8 @@ def main(out_dir: str) -> None:
     gathered = [torch.zeros_like(ranks) for _ in range(env.world_size)]
     dist.all_gather(gathered, ranks)
     record = {**dataclasses.asdict(env), "gathered": [int(t) for t in gathered], "node": os.environ.get("SLURM_NODEID"),
-              "cuda_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+              "cuda_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+              "nccl_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 

@@ -76,6 +76,7 @@ def test_local_launcher_runs_a_two_process_group(tmp_path: Path) -> None:
         assert (rec["rank"], rec["world_size"], rec["local_rank"], rec["source"]) == (r, 2, r, "torchrun")
         assert rec["gathered"] == [0, 1]
         assert rec["cuda_connections"] == "1"  # in the job's environment, before any CUDA context
+        assert rec["nccl_error_handling"] == "3"  # as under srun (slurm/site.sh), not torchrun's 1
 
 
 def test_local_launcher_passes_the_module_arguments_through() -> None:
