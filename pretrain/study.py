@@ -7,13 +7,14 @@ Every step is the project's own command in a subprocess (`pretrain.train`, `pret
 `pretrain.finetune`; through `launch.local`, i.e. torchrun, when study.processes > 1), so the study runs what
 a user runs and knows nothing of the trainer's internals. The parts, for SLURM arrays (slurm/study.sh):
 
-    --stage data                      fetch text, tokenizer, shards and the polarity set (data.fetch)
+    --stage data                      fetch text, tokenizer, shards and the polarity set (data.fetch); baseline.json
     --cells                           print the number of cells (variants x seeds) and the study folder
     --cell I --stage pretrain         pretrain cell I          --cell I --stage downstream   export + fine-tune
     --stage report                    results.csv, results.md, figures/ from whatever cells finished
 
-study.dir holds data/ (when fetched), cells/VARIANT-sSEED/ (pretrain/, export/, finetune/TASK/, logs/,
-done/ stage markers, and cell.json, the cell's row, written last), results.csv, results.md and figures/.
+study.dir holds data/ (when fetched), baseline.json (the unigram baseline of the pretraining's eval slice),
+cells/VARIANT-sSEED/ (pretrain/, export/, finetune/TASK/, logs/, done/ stage markers, and cell.json, the cell's
+row, written last), results.csv, results.md and figures/. study.concurrent cells run at once.
 Resume: a cell with cell.json is skipped; a stage with its marker is skipped; an unfinished pretraining or
 fine-tuning resumes from its run's checkpoints/latest (the jobs auto-resume). A failing stage writes the
 cell's failed.json (stage, exit code, log) and the study goes on with the next cell; it is retried on a rerun.
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +68,7 @@ class GridConfig:
     seeds: list[int] = field(default_factory=lambda: [1, 2])  # run.seed of each cell
     tasks: list[StudyTask] = field(default_factory=list)  # fine-tuning tasks (empty: pretraining only)
     processes: int = 1  # processes per pretraining / fine-tuning (torchrun via launch.local when > 1)
+    concurrent: int = 1  # cells run at once by `python -m pretrain.study` (e.g. 2 one-process jobs on 2 cores)
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,9 @@ def check_study(cfg: StudyConfig) -> None:
         raise ConfigError("study.variants and study.seeds must each list at least one entry")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"study.variants: two variants are labelled the same ({labels}); set their name")
-    if cfg.study.processes < 1:
-        raise ConfigError(f"study.processes ({cfg.study.processes}) must be >= 1")
+    if cfg.study.processes < 1 or cfg.study.concurrent < 1:
+        raise ConfigError(f"study.processes ({cfg.study.processes}) and study.concurrent ({cfg.study.concurrent}) "
+                          "must be >= 1")
     if not cfg.data.fetch and not (cfg.data.train and cfg.data.tokenizer):
         raise ConfigError("data.fetch is false: set data.train, data.valid and data.tokenizer")
     for task in cfg.study.tasks:
@@ -193,6 +197,21 @@ def prepare_data(cfg: StudyConfig) -> None:
             raise SystemExit(f"study: data stage '{name}' failed; its output is in {root / 'logs'}")
 
 
+def write_baseline(cfg: StudyConfig) -> None:
+    """study.dir/baseline.json: the unigram baseline (pretrain.data.unigram) of the validation slice every cell's
+    pretraining evaluates on (the same config, overrides and data), computed anew each time (seconds)."""
+    data = data_paths(cfg)
+    if not data["valid"]:
+        return
+    root = Path(cfg.study.dir).resolve()
+    cmd = [sys.executable, "-m", "pretrain.data.unigram", "--config", cfg.pretrain.config, *cfg.pretrain.overrides,
+           f"data.train={data['train']}", f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}",
+           "--output", str(root / "baseline.json")]
+    _say("data: unigram baseline")
+    if _run(cmd, root / "logs" / "baseline.log") != 0:
+        raise SystemExit(f"study: the unigram baseline failed; see {root / 'logs' / 'baseline.log'}")
+
+
 def _stage(cell: Cell, name: str, cmd: list[str]) -> bool:
     """Run one stage of a cell unless its marker exists; on failure record failed.json and return False."""
     marker = cell.dir / "done" / name
@@ -211,13 +230,19 @@ def _stage(cell: Cell, name: str, cmd: list[str]) -> bool:
     return True
 
 
-def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
+def pretrain_args(cfg: StudyConfig, cell: Cell) -> list[str]:
+    """`pretrain.train`'s arguments for `cell`. Cells of one seed differ only in the attention settings and
+    run.dir: the same data order (a function of run.seed) and, through the model's name-keyed initialisation,
+    the same initial values of the parameters they share; that pairs them."""
     data = data_paths(cfg)
-    args = ["--config", cfg.pretrain.config, *cfg.pretrain.overrides, f"run.dir={cell.dir / 'pretrain'}",
+    return ["--config", cfg.pretrain.config, *cfg.pretrain.overrides, f"run.dir={cell.dir / 'pretrain'}",
             f"run.seed={cell.seed}", f"model.encoder_attention={cell.variant.encoder}",
             f"model.decoder_attention={cell.variant.decoder}", f"data.train={data['train']}",
             f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}"]
-    return _stage(cell, "pretrain", _module(cfg, "pretrain.train", args))
+
+
+def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
+    return _stage(cell, "pretrain", _module(cfg, "pretrain.train", pretrain_args(cfg, cell)))
 
 
 def run_downstream(cfg: StudyConfig, cell: Cell) -> bool:
@@ -321,11 +346,17 @@ def run_study(cfg: StudyConfig) -> int:
     from pretrain.study_report import write_report
 
     prepare_data(cfg)
-    grid, failed = cells(cfg), []
-    for i, cell in enumerate(grid):
-        _say(f"cell {i + 1}/{len(grid)}: {cell.title}")
-        if not run_cell(cfg, cell):
-            failed.append(cell)
+    write_baseline(cfg)
+    grid = cells(cfg)
+
+    def run(i: int) -> bool:
+        _say(f"cell {i + 1}/{len(grid)}: {grid[i].title}")
+        return run_cell(cfg, grid[i])
+
+    # study.concurrent cells at once, taken in grid order; each stage is a subprocess, so threads only wait
+    with ThreadPoolExecutor(cfg.study.concurrent) as pool:
+        done = list(pool.map(run, range(len(grid))))
+    failed = [cell for cell, ok in zip(grid, done) if not ok]
     write_report(cfg)
     for cell in failed:
         _say(f"{cell.title}: failed, see {cell.dir / 'failed.json'}")
@@ -355,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_cell(cfg, grid[args.cell], (args.stage,)) else 1
     if args.stage == "data":
         prepare_data(cfg)
+        write_baseline(cfg)
         return 0
     if args.stage == "report":
         from pretrain.study_report import write_report

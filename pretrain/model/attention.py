@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from torch import nn
 
 from pretrain.config import ModelConfig, UsageError
+from pretrain.model.init import init_scope
 from pretrain.model.synthesizer import build_synthesizer, head_parameter
 
 MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
@@ -134,21 +135,26 @@ class SelfAttention(nn.Module):
                 nn.init.normal_(w[:, 0], 0.0, f * (d * cfg.d_kv) ** -0.5)
                 nn.init.normal_(w[:, 1:], 0.0, f * d**-0.5)
 
-            self.qkv = ColumnParallelLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
+            with init_scope("qkv"):
+                self.qkv = ColumnParallelLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
         else:
-            self.v = ColumnParallelLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
-        self.synth = nn.ModuleDict(
-            {name: build_synthesizer(name, cfg, mp_config, tp_rank, tp) for name in mixers if name != "vanilla"}
-        )
+            with init_scope("v"):
+                self.v = ColumnParallelLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+        self.synth = nn.ModuleDict()
+        for name in mixers:
+            if name != "vanilla":
+                with init_scope(f"synth.{name}"):
+                    self.synth[name] = build_synthesizer(name, cfg, mp_config, tp_rank, tp)
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
             else:
                 self.mix = nn.Parameter(torch.zeros(len(mixers)))  # [k], replicated over TP
-        self.o = RowLinear(
-            inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
-            skip_bias_add=True,
-        )
+        with init_scope("o"):
+            self.o = RowLinear(
+                inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
+                skip_bias_add=True,
+            )
 
     def mixture_weights(self) -> torch.Tensor:
         """softmax of the mixture weights: [k] or [heads/tp, k]."""

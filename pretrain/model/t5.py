@@ -19,6 +19,7 @@ from torch import nn
 
 from pretrain.config import ModelConfig, UsageError
 from pretrain.model.attention import CrossAttention, RelativePositionBias, RowLinear, SelfAttention, parse_mixers
+from pretrain.model.init import init_scope, model_init
 from pretrain.model.loss import vocab_parallel_cross_entropy
 from pretrain.parallel import padded_vocab_size
 
@@ -75,12 +76,15 @@ class Block(nn.Module):
                  sdpa: bool | None, recompute_attention: bool):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp, sdpa, recompute_attention)
+        with init_scope("attn"):
+            self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp, sdpa, recompute_attention)
         if is_decoder:
             self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-            self.cross = CrossAttention(cfg, mp_config, tp)
+            with init_scope("cross"):
+                self.cross = CrossAttention(cfg, mp_config, tp)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.ffn = GatedFFN(cfg, mp_config)
+        with init_scope("ffn"):
+            self.ffn = GatedFFN(cfg, mp_config)
         self.dropout = cfg.dropout
 
     def forward(self, h, bias, mask, memory=None, memory_mask=None, cache: dict | None = None) -> torch.Tensor:
@@ -104,10 +108,13 @@ class Stack(nn.Module):
     def __init__(self, cfg: ModelConfig, num_layers: int, mixers: tuple[str, ...], is_decoder: bool,
                  mp_config, tp_rank: int, tp: int, activation_checkpointing: str, sdpa: bool | None) -> None:
         super().__init__()
-        self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
+        with init_scope("relative_bias"):
+            self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
         selective = activation_checkpointing == "selective"
-        self.layers = nn.ModuleList(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp, sdpa, selective)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList()
+        for i in range(num_layers):
+            with init_scope(f"layers.{i}"):
+                self.layers.append(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp, sdpa, selective))
         self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.dropout = cfg.dropout
         self.activation_checkpointing = activation_checkpointing == "full"  # whole layers
@@ -181,16 +188,21 @@ class T5Model(nn.Module):
             nn.init.normal_(w[: cfg.vocab_size], 0.0, f)
             w[cfg.vocab_size :].zero_()
 
-        self.embed = VocabParallelEmbedding(
-            rows, cfg.d_model, config=mp_config, init_method=init_vocab
-        )
-        self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
-                             activation_checkpointing, sdpa)
-        self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank, tp,
-                             activation_checkpointing, sdpa)
-        self.lm_head = ColumnParallelLinear(
-            cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
-        )
+        # each part draws from its own generator seeded by its name (pretrain/model/init.py): a parameter's
+        # initial value does not depend on which other modules (mixers) the model has
+        with model_init():
+            with init_scope("embed"):
+                self.embed = VocabParallelEmbedding(rows, cfg.d_model, config=mp_config, init_method=init_vocab)
+            with init_scope("encoder"):
+                self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
+                                     activation_checkpointing, sdpa)
+            with init_scope("decoder"):
+                self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank,
+                                     tp, activation_checkpointing, sdpa)
+            with init_scope("lm_head"):
+                self.lm_head = ColumnParallelLinear(
+                    cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
+                )
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids)  # [b, n, d]
