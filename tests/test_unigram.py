@@ -54,3 +54,19 @@ def test_a_config_without_validation_data_is_one_line(capsys):
     with pytest.raises(SystemExit) as err:
         main(["--config", "configs/tiny.yaml"])
     assert err.value.code == 2 and "data.valid is empty" in capsys.readouterr().err
+
+
+def test_the_study_writes_the_baseline_of_its_pretraining_slice(shards: PreparedData, tmp_path):
+    from pretrain.config import Config, load_config
+    from pretrain.data.unigram import eval_baseline
+    from pretrain.study import StudyConfig, write_baseline
+
+    overrides = ["train.global_batch=4", "eval.batches=5", "data.input_length=32"]
+    study = load_config(StudyConfig, None, [f"study.dir={tmp_path}", "data.fetch=false", f"data.train={shards.train}",
+                                            f"data.valid={shards.valid}", f"data.tokenizer={shards.tokenizer}",
+                                            f"pretrain.overrides=[{','.join(overrides)}]"])
+    write_baseline(study)
+    job = load_config(Config, "configs/tiny.yaml", [*overrides, f"data.train={shards.train}",
+                                                    f"data.valid={shards.valid}", f"data.tokenizer={shards.tokenizer}"])
+    assert json.loads((tmp_path / "baseline.json").read_text()) == eval_baseline(job)
+    assert eval_baseline(job)["tokens"] == 20 * 8  # 32 inputs -> 8 targets per example
