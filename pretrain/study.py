@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -151,7 +152,12 @@ def _module(cfg: StudyConfig, module: str, args: list[str]) -> list[str]:
 
 
 def _run(cmd: list[str], log_file: Path) -> int:
-    """A job in a subprocess from the repository root, its output in `log_file` (appended: resumes add to it)."""
+    return _run_timed(cmd, log_file)[0]
+
+
+def _run_timed(cmd: list[str], log_file: Path) -> tuple[int, float]:
+    """A job in a subprocess from the repository root, its output in `log_file` (appended: resumes add to it);
+    (exit code, CPU seconds of the job and every process it waited for, e.g. torchrun's ranks)."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     # a launcher-free job rendezvous on MASTER_PORT (default 29500): a free one, so concurrent cells and
     # other jobs on the machine do not collide (torchrun --standalone picks its own)
@@ -159,7 +165,15 @@ def _run(cmd: list[str], log_file: Path) -> int:
     with log_file.open("a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        return subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage (threads share RUSAGE_CHILDREN)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _free_port() -> int:
@@ -220,13 +234,13 @@ def _stage(cell: Cell, name: str, cmd: list[str]) -> bool:
     _say(f"{cell.title}: {name}")
     start = time.perf_counter()
     log_file = cell.dir / "logs" / f"{name}.log"
-    rc = _run(cmd, log_file)
+    rc, cpu = _run_timed(cmd, log_file)
     if rc != 0:
         _say(f"{cell.title}: {name} FAILED (exit {rc}), see {log_file}")
         (cell.dir / "failed.json").write_text(json.dumps({"stage": name, "exit_code": rc, "log": str(log_file)}) + "\n")
         return False
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{time.perf_counter() - start:.1f}\n")  # seconds the stage took
+    marker.write_text(json.dumps({"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu, 1)}) + "\n")
     return True
 
 
@@ -358,6 +372,8 @@ def run_study(cfg: StudyConfig) -> int:
         done = list(pool.map(run, range(len(grid))))
     failed = [cell for cell, ok in zip(grid, done) if not ok]
     write_report(cfg)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _say(f"CPU time of every job this run: {usage.ru_utime + usage.ru_stime:.0f} s")
     for cell in failed:
         _say(f"{cell.title}: failed, see {cell.dir / 'failed.json'}")
     return 1 if failed else 0
