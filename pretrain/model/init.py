@@ -31,7 +31,8 @@ def model_init() -> Iterator[None]:
     `torch.manual_seed` gives the same model); afterwards the generators are back where the base draw left
     them, whatever the model holds (training-time draws such as dropout do not depend on the variant)."""
     global _base
-    base = int(torch.randint(0, 2**62, (1,), device="cpu"))
+    # one int32 scalar on the host, whatever the device (a model built on the GPU or `meta` holds nothing there)
+    base = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device="cpu"))
     devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     outer, _base = _base, base
     try:
