@@ -367,9 +367,13 @@ def run_study(cfg: StudyConfig) -> int:
         _say(f"cell {i + 1}/{len(grid)}: {grid[i].title}")
         return run_cell(cfg, grid[i])
 
-    # study.concurrent cells at once, taken in grid order; each stage is a subprocess, so threads only wait
-    with ThreadPoolExecutor(cfg.study.concurrent) as pool:
+    # study.concurrent cells at once, taken in grid order; each stage is a subprocess, so threads only wait.
+    # On Ctrl-C (the jobs get it too) no further cell starts
+    pool = ThreadPoolExecutor(cfg.study.concurrent)
+    try:
         done = list(pool.map(run, range(len(grid))))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     failed = [cell for cell, ok in zip(grid, done) if not ok]
     write_report(cfg)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
