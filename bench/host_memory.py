@@ -37,6 +37,12 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
     from pretrain.parallel import init_single_process
 
     init_single_process()
+    if what == "export":  # what the export imports as it runs: DeepSpeed's checkpoint readers, HF's tokenizer
+        import deepspeed.runtime.fp16.loss_scaler  # noqa: F401
+        import deepspeed.runtime.zero.config  # noqa: F401
+        import deepspeed.utils.tensor_fragment  # noqa: F401
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
+        from transformers import T5Tokenizer  # noqa: F401
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the resident set now
     imports = _status("VmRSS")
     if what in ("build", "finetune"):

@@ -38,28 +38,27 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from functools import partial
 from typing import Callable
 
 import torch
 import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
 from pretrain.manifest import check_intact, complete_steps, describe, mismatched, tag_for
-from pretrain.model import T5Model, build_local_model, full_state_dict, load_full_state_dict
-from pretrain.model.attention import parse_mixers
-from pretrain.model.hf_convert import hf_config, to_hf_state_dict, vanilla_layout
+from pretrain.model import T5Model, build_local_model, full_state_dict
+from pretrain.model.hf_convert import Target, hf_config, hf_targets, vanilla_layout
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
 from pretrain.model.pretrained import (INDEX, LAYER, SPIECE, export_config, load_weights, self_attention_hf_name,
                                       weight_files)
 from pretrain.model.sharding import VOCAB_PARAMETERS
 from pretrain.model_card import model_card
 from pretrain.progress import progress
+from pretrain.weights_writer import WeightsWriter
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +67,9 @@ MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default split (transformers 5's save
 REMOTE_CODE_DIR = Path(__file__).parent / "model" / "hf_synthesizer"
 REMOTE_CODE = ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py")
 _CREDENTIALS = re.compile(r"//[^/@\s]*@")  # user:password@ in a shard URL
-_HF_LAYER = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.(.+)$")
 _MP_RANK = re.compile(r"mp_rank_(\d+)_")
 _DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
+Reader = Callable[[], torch.Tensor]  # reads one tensor when called
 
 
 class CheckpointError(UsageError):
@@ -132,103 +131,96 @@ def _load(file: Path) -> dict:
         raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
-def _bf16_optimizer_state(model_states: dict, optim_states: list[dict]) -> dict[str, torch.Tensor]:
-    """fp32 master weights of DeepSpeed's BF16_Optimizer (bf16 with ZeRO 1), which its zero_to_fp32 does not
-    read. Each DP rank's optimizer file holds flat fp32 partitions and `param_slice_mappings` (name -> start
-    and numel of the parameter's fragment in that partition); a parameter is its fragments in DP-rank order
-    (ds_to_universal's rule). Frozen parameters have no master copy: the module's value is the one trained with."""
+def _flat_partitions_state(model_states: dict, optim_states: list[dict]) -> dict[str, Reader]:
+    """fp32 master weights of ZeRO 1/2 (DeepSpeed's ZeRO optimizer, or BF16_Optimizer with bf16, whose files its
+    zero_to_fp32 does not read). Each DP rank's optimizer file holds flat fp32 partitions and `param_slice_mappings`
+    (name -> start and numel of the parameter's fragment in that partition); a parameter is its fragments in DP-rank
+    order (ds_to_universal's rule). Frozen parameters have no master copy: the module's value is the one trained with."""
     shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
     pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
     for optim in optim_states:  # in DP-rank order
         sd = optim["optimizer_state_dict"]
         for flat, mapping in zip(sd["single_partition_of_fp32_groups"], sd["param_slice_mappings"]):
             for name, fragment in mapping.items():
-                pieces[name].append(flat.narrow(0, fragment.start, fragment.numel))
-    state = {k: v.float() for k, v in model_states["module"].items() if k not in shapes}
-    return {**state, **{name: torch.cat(pieces[name]).view(shape) for name, shape in shapes.items()}}
+                pieces[name].append(flat.narrow(0, fragment.start, fragment.numel))  # a view: nothing read yet
+    state = {k: partial(v.float) for k, v in model_states["module"].items() if k not in shapes}
+    return {**state, **{name: partial(lambda name, shape: torch.cat(pieces[name]).view(shape), name, shape)
+                        for name, shape in shapes.items()}}
 
 
-def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, torch.Tensor]:
-    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files (loaded weights_only)."""
+def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, Reader]:
+    """One TP rank's fp32 weights from its model-state and ZeRO optimizer files (loaded weights_only and
+    memory-mapped), each read (copied out of the files) only when called."""
     with _weights_only():
         loaded = {f: _load(f) for f in files}
         model_files = [f for f in files if f.name.endswith("model_states.pt")]
         optim_files = sorted((f for f in files if f.name.endswith("optim_states.pt")),
                              key=lambda f: int(_DP_RANK.search(f.name).group(1)))
         if not optim_files:  # ZeRO stage 0: the module weights
-            return {k: v.float() for k, v in loaded[model_files[0]]["module"].items()}
-        if "zero_stage" not in loaded[optim_files[0]]["optimizer_state_dict"]:
-            return _bf16_optimizer_state(loaded[model_files[0]], [loaded[f] for f in optim_files])
+            return {k: partial(v.float) for k, v in loaded[model_files[0]]["module"].items()}
+        if "param_slice_mappings" in loaded[optim_files[0]]["optimizer_state_dict"]:  # ZeRO 1 and 2
+            return _flat_partitions_state(loaded[model_files[0]], [loaded[f] for f in optim_files])
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with tempfile.TemporaryDirectory() as view:
+        with tempfile.TemporaryDirectory() as view:  # ZeRO 3: DeepSpeed's own reader, lazily
             (Path(view) / "tag").mkdir()
             for f in files:
                 (Path(view) / "tag" / f.name).symlink_to(f.resolve())
             try:
-                state = get_fp32_state_dict_from_zero_checkpoint(view, tag="tag")
+                state = get_fp32_state_dict_from_zero_checkpoint(view, tag="tag", lazy_mode=True)
             except (ValueError, FileNotFoundError) as e:
                 raise CheckpointError(f"{ckpt} TP rank {mp}: {str(e).splitlines()[0]}") from None
-    return {k: v.float() for k, v in state.items()}
+    # a GatheredTensor (put together from every DP rank's partition when asked) or, for buffers, a tensor
+    return {k: partial(lambda v: v.contiguous().float(), v) for k, v in state.items()}
 
 
-def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, torch.Tensor]:
-    """The full (TP=1) fp32 state dict of a checkpoint saved at TP `tp` (any DP), checked against `model` (TP 1,
-    any device: only its names and shapes are read); the vocabulary parameters hold the token rows only, as
+def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, Reader]:
+    """The full (TP=1) fp32 parameters of a checkpoint saved at TP `tp` (any DP), checked against `model` (TP 1,
+    any device: only its names and shapes are read), each read when called: the files are memory-mapped, so host
+    memory holds the parameter being read, not the model. The vocabulary parameters hold the token rows only, as
     `full_state_dict` gives them (the padding is the saving TP's layout)."""
     by_mp: dict[int, list[Path]] = {mp: [] for mp in range(tp)}
     for f in sorted(ckpt.glob("*mp_rank_*_states.pt")):
         by_mp.setdefault(int(_MP_RANK.search(f.name).group(1)), []).append(f)
-    shards = [_tp_rank_state(ckpt, by_mp[mp], mp) for mp in progress(range(tp), desc=f"read {ckpt.name} TP ranks")]
-    full = {}
-    for name, param in model.named_parameters():
+    shards = [_tp_rank_state(ckpt, by_mp[mp], mp) for mp in range(tp)]
+    params = dict(model.named_parameters())
+    for name in params:
         missing = [mp for mp in range(tp) if name not in shards[mp]]
         if missing:
             raise CheckpointError(f"{ckpt} lacks parameter {name} (TP rank {missing[0]}); is it from another model?")
-        parts = [s.pop(name) for s in shards]  # each piece is held once: in the shards, then in `full`
+
+    def read(name: str) -> torch.Tensor:
+        param, parts = params[name], [s[name]() for s in shards]
         if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-            full[name] = parts[0]
+            full = parts[0]
         else:
             dim, stride = param.partition_dim, param.partition_stride
             # rank r holds sub-parameter pieces [s0 piece r; s1 piece r]: regroup as [s0 pieces..., s1 pieces...]
             pieces = [p.chunk(stride, dim=dim) for p in parts]
-            full[name] = torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
+            full = torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
         expected = param.shape  # `model` is TP 1: the full shape, the vocabulary ones with this TP's padding
-        if name in VOCAB_PARAMETERS and full[name].shape[1:] == expected[1:] and len(full[name]) >= model.config.vocab_size:
-            full[name] = full[name][: model.config.vocab_size]  # the token rows: the saving TP's padding dropped
-            expected = full[name].shape
-        if full[name].shape != expected:
-            raise CheckpointError(f"{ckpt}: {name} gathers to {tuple(full[name].shape)}, the model has {tuple(expected)}")
-    return full
+        if name in VOCAB_PARAMETERS and full.shape[1:] == expected[1:] and len(full) >= model.config.vocab_size:
+            full = full[: model.config.vocab_size]  # the token rows: the saving TP's padding dropped
+            expected = full.shape
+        if full.shape != expected:
+            raise CheckpointError(f"{ckpt}: {name} gathers to {tuple(full.shape)}, the model has {tuple(expected)}")
+        return full
+
+    return {name: partial(read, name) for name in params}
 
 
 # --------------------------------------------------------------------------------------------------------
 # Our names <-> HuggingFace's T5 layout (Synthesizer parameters under the HF self-attention module)
 # --------------------------------------------------------------------------------------------------------
-def _qkv_free_stacks(cfg: ModelConfig) -> tuple[str, ...]:
-    return tuple(s for s in ("encoder", "decoder") if "vanilla" not in parse_mixers(getattr(cfg, f"{s}_attention")))
-
-
-def to_export_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full state dict in HF T5 names (Synthesizer extras kept under the HF self-attention module)."""
-    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
-    common, extra = {}, {}
-    for name, t in state.items():
-        m = LAYER.match(name)
-        if m and m.group(3) not in ("qkv.weight", "o.weight", "v.weight"):
-            extra[self_attention_hf_name(name)] = t.clone()
-        elif m and m.group(3) == "v.weight":
-            # a layer without dot-product attention: give the converter zero Q/K rows, keep only V
-            zeros = torch.zeros(h, 2, dkv, d, dtype=t.dtype)
-            qkv = torch.cat([zeros, t.view(h, 1, dkv, d)], dim=1)  # rows [head, (q, k, v), d_kv]
-            common[name.replace("v.weight", "qkv.weight")] = qkv.reshape(3 * h * dkv, d)
-        else:
-            common[name] = t
-    hf = to_hf_state_dict(common, vanilla_layout(cfg))
-    for stack in _qkv_free_stacks(cfg):
-        for key in [k for k in hf if _HF_LAYER.match(k) and k.startswith(stack) and k.endswith(("q.weight", "k.weight"))]:
-            del hf[key]
-    return {**hf, **extra}
+def export_tensors(name: str, t: torch.Tensor, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """One of our full parameters as the export's tensors (views where the layout allows): HF T5 names and layout
+    (`targets`: `hf_targets` of the model's vanilla layout), the Synthesizer parameters under the HF self-attention
+    module, and a layer without dot-product attention with its V alone (no q, k)."""
+    m = LAYER.match(name)
+    if m and m.group(3) not in ("qkv.weight", "o.weight"):
+        return {self_attention_hf_name(name): t}
+    names, split = targets[name]
+    return dict(zip(names, split(t)))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -242,33 +234,25 @@ def write_tokenizer(spiece: Path, out: Path) -> None:
     T5Tokenizer.from_pretrained(str(out), extra_ids=100).save_pretrained(str(out))
 
 
-def _save_weights(weights: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> None:
-    """One model.safetensors, or model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json
-    above `max_shard_size` (huggingface_hub's split, the layout HF's save_pretrained writes and reads)."""
-    split = split_torch_state_dict_into_shards(weights, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    files = split.filename_to_tensors.items()
-    for name, keys in progress(files, total=len(files), desc="write weights"):
-        save_file({k: weights[k] for k in keys}, str(out / name), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
 def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype = torch.float32,
-                 source: dict | None = None, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+                 source: dict | None = None, max_shard_size: int | str = MAX_SHARD_SIZE,
+                 weights: dict[str, Reader] | None = None) -> Path:
     """Write `model` (TP=1) to `output` atomically: everything goes to output.tmp, renamed when complete; on any
     failure output.tmp is removed, and a write that finds no room (disk full, quota) is one line (UsageError).
 
     `source`: where the weights come from (checkpoint, step, tokens_seen, data, evaluation) for the model card.
+    `weights`: our full parameters, each read when called (`read_checkpoint`), for a `model` on the meta device
+    that holds only the mixture logits; default `model`'s own. One parameter at a time is converted and written.
     """
     if output.exists():
         raise UsageError(f"{output} already exists; remove it or choose another --output")
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if weights is None:
+        weights = {name: partial(t.detach) for name, t in full_state_dict(model, clone=False).items()}
     try:
-        _write_folder(model, spiece, tmp, output.name, dtype, source, max_shard_size)
+        _write_folder(model, weights, spiece, tmp, output.name, dtype, source, max_shard_size)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written export stays behind, whatever went wrong
         reason = _disk_full(e)
@@ -283,19 +267,29 @@ def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype 
 def _disk_full(e: BaseException) -> str:
     """The reason, when `e` is a write that found no room (disk full, quota, a file size limit); else ""."""
     code = e.errno if isinstance(e, OSError) else None
-    if isinstance(e, SafetensorError):  # safetensors' Rust writer: "I/O error: No space left on device (os error 28)"
-        found = re.search(r"os error (\d+)", str(e))
-        code = int(found.group(1)) if found else None
     return os.strerror(code) if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
 
 
-def _write_folder(model: T5Model, spiece: Path, tmp: Path, output_name: str, dtype: torch.dtype,
-                  source: dict | None, max_shard_size: int | str) -> None:
+def _write_weights(model: T5Model, weights: dict[str, Reader], tmp: Path, dtype: torch.dtype,
+                   max_shard_size: int | str) -> list[Path]:
+    """The weights files: the layout from the shapes alone (`model` may be on the meta device), then each
+    parameter read, converted, cast and appended in turn, so host memory holds about one parameter."""
+    targets = hf_targets(vanilla_layout(model.config))
+    shapes = full_state_dict(model, clone=False)  # TP 1: views; the vocabulary ones cut to the token rows
+    layout = {hf: part.to(dtype) for name, t in shapes.items()
+              for hf, part in export_tensors(name, torch.empty_like(t, device="meta"), targets).items()}
+    writer = WeightsWriter(tmp, layout, max_shard_size)
+    for name in progress(shapes, desc="write weights"):
+        for hf, part in export_tensors(name, weights[name](), targets).items():
+            writer.write(hf, part.to(dtype))
+    return writer.close()
+
+
+def _write_folder(model: T5Model, weights: dict[str, Reader], spiece: Path, tmp: Path, output_name: str,
+                  dtype: torch.dtype, source: dict | None, max_shard_size: int | str) -> None:
     """Every file of the export into `tmp` (write_export renames it when this returns)."""
     cfg: ModelConfig = model.config
-    state = full_state_dict(model, clone=False)  # TP 1: the parameters themselves; the export copies them once
-    weights = {k: v.to(dtype).contiguous() for k, v in to_export_state_dict(state, cfg).items()}
-    _save_weights(weights, tmp, max_shard_size)
+    _write_weights(model, weights, tmp, dtype, max_shard_size)
     config = hf_config(cfg)
     mixture = {k: v.tolist() for k, v in model.mixture_weights().items()}  # softmax(mix)
     if isinstance(config, SynthesizerT5Config):
@@ -357,7 +351,10 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     spiece = _trained_tokenizer(ckpt, Path(saved["data"]["tokenizer"]))
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)
-    model = _tp1_model(cfg, lambda meta: read_checkpoint(ckpt, meta, trainer["tp"]))
+    model = build_local_model(cfg, device="meta")  # TP 1: names, shapes; nothing drawn at random
+    weights = read_checkpoint(ckpt, model, trainer["tp"])
+    # the mixture logits (a few numbers a layer), for the config's and the model card's mixture weights
+    model.load_state_dict({k: weights[k]() for k in weights if k.endswith(".mix")}, strict=False, assign=True)
     source = {
         "checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tokens_seen": trainer.get("tokens_seen"),
         "tp": trainer["tp"], "dp": trainer["dp"], "evaluation": _evaluation(run_dir, trainer["step"]),
@@ -365,7 +362,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
         "data": _CREDENTIALS.sub("//", str(saved.get("data", {}).get("train") or saved.get("task", {}).get("name", ""))),
     }
     return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source,
-                        max_shard_size)
+                        max_shard_size, weights)
 
 
 def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
@@ -381,14 +378,6 @@ def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
         raise UsageError(f"{spiece} is not the tokenizer the model was trained with (sha256 {recorded[:12]}... in "
                          f"{ckpt / INPUTS}); it was replaced since")
     return spiece
-
-
-def _tp1_model(cfg: ModelConfig, read: Callable[[T5Model], dict[str, torch.Tensor]]) -> T5Model:
-    """A TP 1 model on the CPU whose parameters are the tensors `read(meta_model)` returns (the full state, as
-    `full_state_dict` gives it), not copies: the weights are in memory once, and nothing is drawn at random."""
-    model = build_local_model(cfg, device="meta")
-    load_full_state_dict(model, read(model), assign=True)
-    return model
 
 
 def load_pretrained(folder: str | Path) -> T5Model:

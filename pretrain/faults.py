@@ -25,7 +25,6 @@ import traceback
 import types
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from pretrain.config import UsageError, print_error
@@ -48,7 +47,8 @@ class Diverged(RuntimeError):
 
 
 class PreemptionFlag:
-    """Records PREEMPTION_SIGNALS; `agreed()` is a collective, so every rank stops at the same step boundary."""
+    """Records PREEMPTION_SIGNALS. `raised` rides in every step's one collective (`pretrain.loop.train_step`),
+    so every rank learns that some rank received a signal at the same step, and stops there."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -59,16 +59,9 @@ class PreemptionFlag:
         # only record: saving from inside a signal handler could interrupt a collective half-way
         self.received = signum
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank if any rank received a signal."""
-        return any_rank_true(self.received is not None, device)
-
-
-def any_rank_true(value: bool, device: torch.device) -> bool:
-    """A boolean OR over all ranks (a MAX all-reduce over the world; every rank must call it)."""
-    flag = torch.tensor([1.0 if value else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    @property
+    def raised(self) -> bool:
+        return self.received is not None
 
 
 def check_skip_budget(step: int, skipped: int, limit: int) -> None:

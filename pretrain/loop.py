@@ -53,6 +53,7 @@ def to_device(batches: Iterable[dict], device: torch.device) -> Iterator[dict[st
 @dataclass(frozen=True)
 class StepResult:
     applied: bool  # DeepSpeed applied the update
+    preempted: bool  # some rank had received a preemption signal by the step's collective (the same on every rank)
     loss: torch.Tensor  # [] mean loss over the step's micro batches and DP ranks, on the device
     grad_norm: torch.Tensor | float  # global norm before clipping (over DP and TP)
     lr: float  # the learning rate this step used (the engine's)
@@ -88,9 +89,23 @@ def grad_norm_over_tp(model: torch.nn.Module) -> torch.Tensor:
     return squares.sqrt()
 
 
-def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims) -> StepResult:
+def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
+    """Start copying `t` to the host without waiting for the device; the returned call waits for that copy only
+    (a pinned buffer and a CUDA event), so read after a sync the step makes anyway it waits for nothing."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host.tolist())[1]
+
+
+def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims,
+               preempted: bool = False) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
-    saw a non-finite loss or gradient)."""
+    saw a non-finite loss or gradient). `preempted`: this rank received a preemption signal; the result says
+    whether any rank did, from the step's one collective."""
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
     tokens, grad_norm = 0, None
@@ -101,18 +116,24 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
         loss_sum += loss.detach().float()
         engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
         if micro == accumulation - 1:
-            # [] summed over DP ranks: non-finite everywhere if it is anywhere (TP ranks share the loss)
-            dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+            # the step's one collective of ours, over the world: [loss summed over DP ranks (TP ranks share it,
+            # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal]
+            share = float(dims.tp_rank == 0)
+            flags = torch.stack([loss_sum * share, loss_sum.new_full((), float(preempted))])
+            dist.all_reduce(flags)
+            loss_sum, read_flags = flags[0], _to_host(flags)
             if getattr(engine.optimizer, "skip_guard", False):
                 grad_norm = grad_norm_over_tp(engine.module)  # the gradients are DP-reduced already
                 # the step's one device-to-host sync, only on the path whose optimizer does not check itself;
                 # the norm is non-finite when a gradient is, also where the loss is finite (a backward overflow)
                 engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
         engine.step()
+    # after the step's sync (the skip check: DeepSpeed's, or ours above) the flags are on the host already
+    any_preempted = read_flags()[1] > 0
     applied = engine.was_step_applied()
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm() if applied else float("nan")
-    return StepResult(applied, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp)
+    return StepResult(applied, any_preempted, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp)
 
 
 def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
@@ -208,7 +229,7 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
     preemption = PreemptionFlag()
     steps_this_run = 0
     while progress.step < train.steps:
-        result = train_step(engine, batches, accumulation, dims)
+        result = train_step(engine, batches, accumulation, dims, preemption.raised)
         progress.tokens_seen += result.tokens
         if result.applied:
             progress.step += 1
@@ -219,7 +240,7 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
             check_skip_budget(progress.step + 1, progress.skipped_steps, train.max_skipped_steps)
         final = progress.step == train.steps  # the end of training, not just of this run (train.exit_after)
         last = final or steps_this_run == train.exit_after
-        preempted = preemption.agreed(dims.device)
+        preempted = result.preempted
         record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
             checkpoints.maybe_save(progress.step, last=last, preempted=preempted)

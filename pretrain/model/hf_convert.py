@@ -20,6 +20,8 @@ from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import Synthesiz
 
 # the HF tensors one of our parameters is made of, and how they combine into it
 Source = tuple[tuple[str, ...], Callable[[list[torch.Tensor]], torch.Tensor]]
+# the HF tensors one of our parameters becomes, and how it splits into them
+Target = tuple[tuple[str, ...], Callable[[torch.Tensor], list[torch.Tensor]]]
 
 
 def hf_config(cfg: ModelConfig) -> T5Config:
@@ -87,28 +89,36 @@ def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
+    """Our parameter name -> (the HF tensors it becomes, how it splits into them; views where the layout allows),
+    for a vanilla model: the inverse of `hf_sources`, applied to a whole state dict (`to_hf_state_dict`) or one
+    parameter at a time (pretrain.export)."""
+    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
+
+    def heads(t: torch.Tensor) -> list[torch.Tensor]:  # [head, (q, k, v), d_kv] rows -> q, k, v [heads x d_kv, d]
+        return [part.reshape(h * dkv, d) for part in t.view(h, -1, dkv, d).unbind(1)]
+
+    out: dict[str, Target] = {ours: ((hf,), lambda t: [t]) for ours, hf in _pairs(cfg)}
+    # HF's `encoder/decoder.embed_tokens` are `shared`
+    out["embed.weight"] = (("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
+                           lambda t: [t, t, t])
+    for stack in ("encoder", "decoder"):
+        out[f"{stack}.relative_bias.weight"] = (  # ours [heads, buckets] -> HF's [buckets, heads]
+            (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",), lambda t: [t.t()])
+    for stack, ours, hf, ffn in _layers(cfg):
+        out[f"{ours}.attn.qkv.weight"] = (tuple(f"{hf}.0.SelfAttention.{n}.weight" for n in "qkv"), heads)
+        out[f"{ours}.ffn.wi.weight"] = ((f"{hf}.{ffn}.DenseReluDense.wi_0.weight",
+                                         f"{hf}.{ffn}.DenseReluDense.wi_1.weight"), lambda t: list(t.chunk(2)))
+        if stack == "decoder":
+            out[f"{ours}.cross.kv.weight"] = (tuple(f"{hf}.1.EncDecAttention.{n}.weight" for n in "kv"), heads)
+    return out
+
+
 def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     _check_vanilla(cfg)
-    h, dkv, d = cfg.num_heads, cfg.d_kv, cfg.d_model
-    out = {hf: state[ours].clone() for ours, hf in _pairs(cfg)}
-    # separate copies: safetensors refuses tensors that share storage
-    out["encoder.embed_tokens.weight"] = out["shared.weight"].clone()
-    out["decoder.embed_tokens.weight"] = out["shared.weight"].clone()
-    for stack in ("encoder", "decoder"):
-        bias = state[f"{stack}.relative_bias.weight"]  # [heads, buckets]
-        out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = bias.t().contiguous()
-    for stack, ours, hf, ffn in _layers(cfg):
-        q, k, v = state[f"{ours}.attn.qkv.weight"].view(h, 3, dkv, d).unbind(1)
-        for name, t in zip("qkv", (q, k, v)):
-            out[f"{hf}.0.SelfAttention.{name}.weight"] = t.reshape(h * dkv, d).clone()
-        wi_0, wi_1 = state[f"{ours}.ffn.wi.weight"].chunk(2, dim=0)
-        out[f"{hf}.{ffn}.DenseReluDense.wi_0.weight"] = wi_0.clone()
-        out[f"{hf}.{ffn}.DenseReluDense.wi_1.weight"] = wi_1.clone()
-        if stack == "decoder":
-            k, v = state[f"{ours}.cross.kv.weight"].view(h, 2, dkv, d).unbind(1)
-            out[f"{hf}.1.EncDecAttention.k.weight"] = k.reshape(h * dkv, d).clone()
-            out[f"{hf}.1.EncDecAttention.v.weight"] = v.reshape(h * dkv, d).clone()
-    return out
+    # separate contiguous copies: safetensors refuses tensors that share storage
+    return {hf: part.clone(memory_format=torch.contiguous_format)
+            for ours, (names, split) in hf_targets(cfg).items() for hf, part in zip(names, split(state[ours]))}
 
 
 def hf_sources(cfg: ModelConfig) -> dict[str, Source]:
