@@ -4,11 +4,14 @@
 
 Input: `RUN_DIR/checkpoints/step_N/` (default: the newest complete one; an incomplete one, or a damaged one whose
 files do not match their crc32 in complete.json, is refused naming the file) in
-DeepSpeed's sharded layout at any TP, any ZeRO stage and any number of ranks. Each TP rank's fp32 weights are
-rebuilt from its ZeRO shards by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (run on a view holding
-only that TP rank's files, since the tool itself knows no TP), then the TP shards are concatenated as megatron's
-attributes on the TP=1 model say (`partition_dim`, `partition_stride`). Every file is unpickled with
-`weights_only=True`, DeepSpeed's own reads included: a checkpoint file that would run code is refused.
+DeepSpeed's sharded layout at any TP, any ZeRO stage and any number of ranks. The files are memory-mapped and
+each parameter is read on its own: at ZeRO 1/2 from every DP rank's flat fp32 partition (`param_slice_mappings`,
+ds_to_universal's rule), at ZeRO 3 by DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True)` (run
+on a view holding only that TP rank's files, since the tool itself knows no TP), at ZeRO 0 from the module; its TP
+shards are concatenated as megatron's attributes on the TP=1 model say (`partition_dim`, `partition_stride`), and
+it is converted, cast and appended to the weights file (`pretrain.weights_writer`) before the next is read, so host
+memory holds the weights about once (the mapped files' pages), not the model plus its HF layout. Every file is
+unpickled with `weights_only=True`, DeepSpeed's own reads included: a checkpoint file that would run code is refused.
 
 Output (written to OUT.tmp, renamed to OUT only when complete, removed on a failure such as a full disk): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
@@ -49,12 +52,11 @@ from transformers import GenerationConfig
 from pretrain.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.config import ModelConfig, UsageError
 from pretrain.faults import run_with_exit_codes
-from pretrain.manifest import check_intact, complete_steps, describe, mismatched, tag_for
+from pretrain.manifest import check_intact, complete_steps, describe, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict
 from pretrain.model.hf_convert import Target, hf_config, hf_targets, vanilla_layout
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
-from pretrain.model.pretrained import (INDEX, LAYER, SPIECE, export_config, load_weights, self_attention_hf_name,
-                                      weight_files)
+from pretrain.model.pretrained import LAYER, SPIECE, export_config, load_weights, self_attention_hf_name
 from pretrain.model.sharding import VOCAB_PARAMETERS
 from pretrain.model_card import model_card
 from pretrain.progress import progress
@@ -143,9 +145,12 @@ def _flat_partitions_state(model_states: dict, optim_states: list[dict]) -> dict
         for flat, mapping in zip(sd["single_partition_of_fp32_groups"], sd["param_slice_mappings"]):
             for name, fragment in mapping.items():
                 pieces[name].append(flat.narrow(0, fragment.start, fragment.numel))  # a view: nothing read yet
+
+    def read(name: str) -> torch.Tensor:
+        return torch.cat(pieces[name]).view(shapes[name])
+
     state = {k: partial(v.float) for k, v in model_states["module"].items() if k not in shapes}
-    return {**state, **{name: partial(lambda name, shape: torch.cat(pieces[name]).view(shape), name, shape)
-                        for name, shape in shapes.items()}}
+    return {**state, **{name: partial(read, name) for name in shapes}}
 
 
 def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, Reader]:
@@ -170,8 +175,11 @@ def _tp_rank_state(ckpt: Path, files: list[Path], mp: int) -> dict[str, Reader]:
                 state = get_fp32_state_dict_from_zero_checkpoint(view, tag="tag", lazy_mode=True)
             except (ValueError, FileNotFoundError) as e:
                 raise CheckpointError(f"{ckpt} TP rank {mp}: {str(e).splitlines()[0]}") from None
-    # a GatheredTensor (put together from every DP rank's partition when asked) or, for buffers, a tensor
-    return {k: partial(lambda v: v.contiguous().float(), v) for k, v in state.items()}
+
+    def read(name: str) -> torch.Tensor:  # a GatheredTensor: put together from every DP rank's partition now
+        return state[name].contiguous().float()
+
+    return {name: partial(read, name) for name in state}
 
 
 def read_checkpoint(ckpt: Path, model: T5Model, tp: int) -> dict[str, Reader]:
@@ -289,7 +297,7 @@ def _write_folder(model: T5Model, weights: dict[str, Reader], spiece: Path, tmp:
                   dtype: torch.dtype, source: dict | None, max_shard_size: int | str) -> None:
     """Every file of the export into `tmp` (write_export renames it when this returns)."""
     cfg: ModelConfig = model.config
-    _write_weights(model, weights, tmp, dtype, max_shard_size)
+    written = _write_weights(model, weights, tmp, dtype, max_shard_size)
     config = hf_config(cfg)
     mixture = {k: v.tolist() for k, v in model.mixture_weights().items()}  # softmax(mix)
     if isinstance(config, SynthesizerT5Config):
@@ -305,7 +313,7 @@ def _write_folder(model: T5Model, weights: dict[str, Reader], spiece: Path, tmp:
         config.architectures = ["T5ForConditionalGeneration"]
     write_tokenizer(spiece, tmp)
     # sizes and crc32 of the weights and the tokenizer, checked by pretrained.export_config (fine-tuning, evaluation)
-    files = describe(tmp, [*weight_files(tmp), tmp / SPIECE])
+    files = describe(tmp, [*written, tmp / SPIECE])
     config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {},
                           "files": files}
     config.dtype = str(dtype).removeprefix("torch.")

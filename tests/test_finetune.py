@@ -179,8 +179,8 @@ def test_preempted_finetuning_resumes_to_the_same_results(tmp_path, tokenizer_mo
     common = [f"init={init}", f"data.dir={polarity_dir}", "train.steps=6", "train.micro_batch=8",
               "train.global_batch=8", "log.every=1", "eval.limit=40", "eval.batch=20", "checkpoint.every=0"]
     whole, stopped = [*common, f"run.dir={tmp_path / 'whole'}"], [*common, f"run.dir={tmp_path / 'stopped'}"]
-    # the same command three times: train.exit_after ends the first start at step 2 (checkpoint), SIGTERM the
-    # second at step 4 (checkpoint, exit 75: a requeue), and the third finishes
+    # the same command three times: train.exit_after ends the first start at step 2 (checkpoint), SIGTERM after
+    # step 4 the second at step 5 (checkpoint, exit 75: a requeue), and the third finishes
     runs = [(whole, None), ([*stopped, "train.exit_after=2"], None), (stopped, "sigterm"), (stopped, None)]
     assert run_distributed(_finetune_chain, 1, runs) == [[0, 0, EXIT_PREEMPTED, 0]]
     checkpoints = tmp_path / "stopped" / "checkpoints"

@@ -319,7 +319,8 @@ def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shar
     assert [code for code, _ in results] == [EXIT_FAILED] * 2
     assert "is the disk full or over quota" in results[0][1]
     assert (checkpoints / "latest").read_text().strip() == "step_3"
-    # resume from step 3 (auto), rank 1 gets SIGTERM after its second step: all ranks save step 5 and exit;
+    # resume from step 3 (auto), rank 1 gets SIGTERM after its second step (step 5): step 6's collective carries it,
+    # all ranks save step 6 and exit;
     # then run again to the end; then a resume that changed the model shape, one on half of the shards and a fresh
     # start (checkpoint.resume=none) in this run.dir are refused
     changed = [*overrides, "model.d_ff=96"]
@@ -330,8 +331,8 @@ def test_stop_kill_disk_full_preempt_resume_equals_uninterrupted(zero_runs, shar
     assert [c[:2] for c in codes] == [[EXIT_PREEMPTED, 0]] * 2
     assert "model.d_ff: 128 in the checkpoint, 96 now" in codes[0][2]
     assert "data.train changed (8 shards in the checkpoint, 4 now; not listed now: shard-000004.tar" in codes[0][3]
-    assert f"checkpoint.resume=none, but {run} holds checkpoints of a run (step_5, step_8)" in codes[0][4]
-    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_5", "step_8"]  # checkpoint.keep=2
+    assert f"checkpoint.resume=none, but {run} holds checkpoints of a run (step_6, step_8)" in codes[0][4]
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_6", "step_8"]  # checkpoint.keep=2
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert losses(run) == losses(zero_runs[1])  # exactly: fp32 on CPU
