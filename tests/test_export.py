@@ -143,6 +143,31 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
     assert "trust_remote_code=True" in card
 
 
+def test_the_per_parameter_reader_equals_deepspeeds_consolidation(tmp_path, saved_run):
+    # what the export streams, parameter by parameter, against DeepSpeed's zero_to_fp32 reading each TP rank's
+    # files whole (it cannot read BF16_Optimizer's files: those are checked against the trained weights above)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from pretrain.export import _tp_rank_state, _weights_only
+
+    run_dir, _, _, precision = saved_run
+    if precision == "bf16":
+        pytest.skip("zero_to_fp32 does not read BF16_Optimizer's files")
+    ckpt = run_dir / "checkpoints" / "step_1"
+    tp = json.loads((ckpt / "trainer_state.json").read_text())["tp"]
+    for mp in range(tp):
+        files = sorted(ckpt.glob(f"*mp_rank_{mp:02d}_*states.pt"))
+        view = tmp_path / f"mp{mp}" / "tag"
+        view.mkdir(parents=True)
+        for f in files:
+            (view / f.name).symlink_to(f)
+        with _weights_only():
+            expected = get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag="tag")
+        ours = _tp_rank_state(ckpt, files, mp)
+        assert set(ours) == set(expected)
+        assert all(torch.equal(read(), expected[name]) for name, read in ours.items())
+
+
 def _with_size_listed(ckpt: Path, file: Path) -> None:
     """Update complete.json after rewriting `file`, as a save that wrote these very bytes would have."""
     marker = json.loads((ckpt / "complete.json").read_text())
