@@ -98,14 +98,19 @@ def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return lambda: (done.synchronize(), host.tolist())[1]
+
+    def read() -> list[float]:
+        done.synchronize()
+        return host.tolist()
+
+    return read
 
 
 def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims,
-               preempted: bool = False) -> StepResult:
+               preemption: PreemptionFlag | None = None) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
-    saw a non-finite loss or gradient). `preempted`: this rank received a preemption signal; the result says
-    whether any rank did, from the step's one collective."""
+    saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised by the
+    step's one collective (after the last backward)."""
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
     tokens, grad_norm = 0, None
@@ -119,7 +124,8 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
             # the step's one collective of ours, over the world: [loss summed over DP ranks (TP ranks share it,
             # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal]
             share = float(dims.tp_rank == 0)
-            flags = torch.stack([loss_sum * share, loss_sum.new_full((), float(preempted))])
+            preempted = float(preemption is not None and preemption.raised)
+            flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted)])
             dist.all_reduce(flags)
             loss_sum, read_flags = flags[0], _to_host(flags)
             if getattr(engine.optimizer, "skip_guard", False):
@@ -229,7 +235,7 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
     preemption = PreemptionFlag()
     steps_this_run = 0
     while progress.step < train.steps:
-        result = train_step(engine, batches, accumulation, dims, preemption.raised)
+        result = train_step(engine, batches, accumulation, dims, preemption)
         progress.tokens_seen += result.tokens
         if result.applied:
             progress.step += 1

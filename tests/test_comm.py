@@ -74,7 +74,7 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
     counting[0] = True
     with HostSyncs():
         for _ in range(steps):  # what pretrain.loop.run_loop does between log steps
-            result = train_step(engine, stream, 1, dims, preemption.raised)
+            result = train_step(engine, stream, 1, dims, preemption)
             assert result.applied and not result.preempted
     counting[0] = False
     return {"calls": calls, "num_params": sum(p.numel() for p in model.parameters()), "syncs": HostSyncs.count}
