@@ -7,7 +7,8 @@ Pure functions of a model or a state dict (no files, no process groups):
 - `synthesizer_images(model)`: both as HWC uint8 heatmaps for `MetricsLogger.write_images`;
 - `attention_maps(model, input_ids)`: the first encoder layer's attention probabilities per mixer and mixed,
   recomputed from the layer's own weights (the paper's Dense-vs-vanilla picture).
-The matplotlib figures of the study and of `pretrain.plot` live here too (`plot_*`), one PNG each.
+The matplotlib figures of the study and of `pretrain.plot` live here too (`plot_*`, `plot_intervals` for the
+study's paired differences), one PNG each.
 """
 from __future__ import annotations
 
@@ -192,6 +193,32 @@ def plot_bars(means: Mapping[str, Mapping[str, float]], stds: Mapping[str, Mappi
         ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def plot_intervals(panels: Mapping[str, Mapping[str, tuple[float, float, float]]], refs: Mapping[str, float],
+                   path: Path, title: str = "") -> Path:
+    """One panel per metric ({panel: {label: (mean, lo, hi)}}): a point per label with its interval as an error
+    bar (none where lo/hi are NaN: one seed), and a dashed line at the panel's reference (0 or 1: no difference)."""
+    plt = _pyplot()
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (panel, points) in zip(axes.flat, panels.items()):
+        labels = list(points)
+        means = np.array([points[k][0] for k in labels], dtype=float)
+        lo = np.array([points[k][1] for k in labels], dtype=float)
+        hi = np.array([points[k][2] for k in labels], dtype=float)
+        errors = np.nan_to_num(np.stack([means - lo, hi - means]), nan=0.0)
+        ax.errorbar(range(len(labels)), means, yerr=errors, fmt="o", capsize=4)
+        ax.axhline(refs.get(panel, 0.0), color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+        ax.set_title(panel, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 

@@ -1,16 +1,22 @@
-"""The study's report: results.csv (one row per cell), results.md (means +- standard deviation over seeds,
-beside the paper's reported figures) and figures/*.png, all read back from the cells' own files
-(cell.json, metrics.jsonl, the exports' safetensors). Written by `python -m pretrain.study`.
+"""The study's report: results.csv (one row per cell), results.md (means +- standard deviation over seeds beside
+the paper's reported figures and the baseline rows; paired differences to vanilla with 95% intervals; the
+verdict on each of the paper's claims, computed by `pretrain.study_stats`) and figures/*.png, all read back
+from the cells' own files (cell.json, metrics.jsonl, the exports) and study.dir/baseline.json.
+Written by `python -m pretrain.study`.
 """
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from pathlib import Path
 
 from pretrain import figures
 from pretrain.study import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
+from pretrain.study_movement import movement
+from pretrain.study_stats import (CONFIDENCE, Interval, find_variant, paired, per_seed, ratio, t_interval, task_keys,
+                                  verdicts)
 
 # Tay et al. 2021 (arXiv 2005.00743), T5-base-sized models pretrained on C4, as quoted by secondary summaries
 # (../shared/reference/synthesizer.md; not checked against the paper itself): masked-LM log-perplexity (lower
@@ -61,9 +67,41 @@ def _fmt(stat: tuple[float, float, int] | None, digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if n > 1 else f"{mean:.{digits}f}"
 
 
-def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path) -> None:
+def read_baseline(root: Path) -> dict | None:
+    """study.dir/baseline.json (the unigram model of the validation targets), or None before the data stage."""
+    path = root / "baseline.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _table(head: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|", *("| " + " | ".join(r) + " |" for r in body)]
+
+
+def differences(rows: list[dict]) -> dict[str, dict[str, Interval]]:
+    """{variant: {metric: paired interval vs vanilla}} for eval loss / accuracy, every task metric (differences)
+    and tokens/s (the ratio, key "tokens_per_s"); {} without a vanilla variant."""
+    base = find_variant(rows, "vanilla")
+    if base is None:
+        return {}
+    metrics = ["eval_loss", "eval_accuracy", *task_keys(rows)]
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        if variant != base:
+            out[variant] = {m: paired(rows, variant, base, m) for m in metrics}
+            out[variant]["tokens_per_s"] = paired(rows, variant, base, "tokens_per_s", op=ratio)
+    return out
+
+
+def pretraining_value(rows: list[dict]) -> dict[str, dict[str, Interval]]:
+    """{variant: {TASK/METRIC: interval of pretrained - from random initialisation}} where scratch rows exist."""
+    keys = [k for k in task_keys(rows) if any(f"scratch/{k}" in r for r in rows)]
+    return {v: {k: paired(rows, v, v, k, f"scratch/{k}") for k in keys}
+            for v in dict.fromkeys(r["variant"] for r in rows)} if keys else {}
+
+
+def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path, baseline: dict | None = None) -> None:
     summary = summarise(rows)
-    downstream = [k for k in _columns(rows) if "/" in k]
+    downstream = task_keys(rows)
     vanilla_speed = summary.get("vanilla", {}).get("tokens_per_s")
     lines = [f"# Synthesizer study: {len(rows)} cells ({sum(r['status'] == 'ok' for r in rows)} finished)", "",
              f"Pretraining: `{cfg.pretrain.config}` {' '.join(cfg.pretrain.overrides)}; seeds {list(cfg.study.seeds)}; "
@@ -71,19 +109,32 @@ def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path) -> None:
              "finished seeds (n); downstream scores as fractions.", ""]
     head = ["variant", "n", "parameters", "tokens/s", "vs vanilla", "eval loss", "eval token acc.", *downstream,
             "paper log-ppl", "paper steps/s vs vanilla"]
-    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    body, scratch = [], []
     for variant, stats in summary.items():
         n = max((s[2] for s in stats.values()), default=0)
         speed = stats.get("tokens_per_s")
-        ratio = f"{speed[0] / vanilla_speed[0]:.2f}" if speed and vanilla_speed else "-"
+        ratio_ = f"{speed[0] / vanilla_speed[0]:.2f}" if speed and vanilla_speed else "-"
         paper = PAPER.get(variant, {})
         paper_ratio = (f"{paper['steps_per_s'] / PAPER['vanilla']['steps_per_s']:.2f}"
                        if "steps_per_s" in paper else "-")
         params = stats.get("parameters")
-        cells_ = [variant, str(n), f"{params[0]:,.0f}" if params else "-", _fmt(speed, 0), ratio,
-                  _fmt(stats.get("eval_loss"), 3), _fmt(stats.get("eval_accuracy"), 3),
-                  *[_fmt(stats.get(k), 3) for k in downstream], str(paper.get("log_ppl", "-")), paper_ratio]
-        lines.append("| " + " | ".join(cells_) + " |")
+        body.append([variant, str(n), f"{params[0]:,.0f}" if params else "-", _fmt(speed, 0), ratio_,
+                     _fmt(stats.get("eval_loss"), 3), _fmt(stats.get("eval_accuracy"), 3),
+                     *[_fmt(stats.get(k), 3) for k in downstream], str(paper.get("log_ppl", "-")), paper_ratio])
+        if any(f"scratch/{k}" in stats for k in downstream):
+            counts = [stats[f"scratch/{k}"][2] for k in downstream if f"scratch/{k}" in stats]
+            scratch.append([f"{variant}, from random init", str(max(counts)), "-", "-", "-", "-", "-",
+                            *[_fmt(stats.get(f"scratch/{k}"), 3) for k in downstream], "-", "-"])
+    if baseline:
+        body.append(["unigram (baseline)", "-", "-", "-", "-", f"{baseline['unigram_loss']:.3f}",
+                     f"{baseline['unigram_accuracy']:.3f}", *["-"] * len(downstream), "-", "-"])
+    lines += _table(head, body + scratch)
+    if baseline:
+        lines += ["", f"unigram: the best unigram model of the validation targets ({baseline.get('tokens', '?')} "
+                  f"tokens; {baseline.get('source', '')})."]
+    if scratch:
+        lines += ["", "\"from random init\": the same model and seed fine-tuned without pretraining."]
+    lines += _difference_sections(rows, baseline)
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "Cells without results:", ""]
@@ -92,8 +143,54 @@ def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def _difference_sections(rows: list[dict], baseline: dict | None) -> list[str]:
+    """The paired differences, pretrained-minus-scratch, the learned weights' movement and the verdicts."""
+    lines = []
+    diffs = differences(rows)
+    level = f"{CONFIDENCE:.0%}"
+    if diffs:
+        metrics = ["eval_loss", "eval_accuracy", *task_keys(rows)]
+        lines += ["", "## Paired differences to vanilla", "",
+                  f"Per variant and metric: the mean over seeds of (seed s of the variant - seed s of vanilla) "
+                  f"with its {level} t-interval [lo, hi] (n: seeds where both finished; n=1: no interval); "
+                  "tokens/s as the mean paired ratio variant / vanilla.", ""]
+        body = [[v, str(max(iv.n for iv in d.values())), *[d[m].text() for m in metrics], d["tokens_per_s"].text(2)]
+                for v, d in diffs.items()]
+        lines += _table(["variant", "n", "eval loss", "eval token acc.", *task_keys(rows), "tokens/s ratio"], body)
+    value = pretraining_value(rows)
+    if value:
+        keys = list(next(iter(value.values())))
+        lines += ["", "## Pretrained minus from random initialisation", "",
+                  f"Per variant: the mean paired difference (pretrained - fine-tuned from random initialisation, same "
+                  f"seed) with its {level} t-interval.", ""]
+        lines += _table(["variant", *keys], [[v, *[d[k].text() for k in keys]] for v, d in value.items()])
+    moved = {v: [_moved_text(rows, v, f"moved/{k}") for k in ("random", "mixture")]
+             for v in dict.fromkeys(r["variant"] for r in rows)}
+    moved = {v: texts for v, texts in moved.items() if any(texts)}
+    if moved:
+        lines += ["", "## How far the learned weights moved", "",
+                  f"Mean over seeds with its {level} t-interval: the Random matrices' relative Frobenius change from "
+                  "their initialisation, and the mixture weights' total-variation distance from uniform.", ""]
+        lines += _table(["variant", "Random matrices: ||R - R0|| / ||R0||", "mixture weights: distance from uniform"],
+                        [[v, *(t or "-" for t in texts)] for v, texts in moved.items()])
+    found = verdicts(rows, baseline)
+    if found:
+        lines += ["", "## Verdicts", "",
+                  f"Computed from the {level} intervals by the rules of docs/study.md (\"Output\"): supports / "
+                  "contradicts / cannot tell at this size.", ""]
+        lines += _table(["question", "claim", "verdict", "evidence"],
+                        [[v.question, v.claim, f"**{v.verdict}**", v.evidence] for v in found])
+    return lines
+
+
+def _moved_text(rows: list[dict], variant: str, key: str) -> str:
+    values = per_seed(rows, variant, key)
+    return t_interval(list(values.values())).text(3) if values else ""
+
+
 def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path]:
-    """Loss curves, downstream bars, mixture weights, learned random matrices, Dense vs vanilla attention."""
+    """Loss curves, paired differences, downstream bars, mixture weights, learned random matrices (with how far
+    they moved), Dense vs vanilla attention."""
     from safetensors.torch import load_file
 
     written = []
@@ -104,8 +201,17 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
     if curves:
         written.append(figures.plot_curves(curves, folder / "pretrain_loss.png", "step", "training loss",
                                            "Pretraining loss (span corruption)"))
+    diffs = differences(rows)
+    if any(iv.n for d in diffs.values() for iv in d.values()):
+        names = {"eval_loss": "eval loss difference", "eval_accuracy": "eval token acc. difference",
+                 "tokens_per_s": "tokens/s ratio"}
+        panels = {names.get(m, f"{m} difference"): {v: (d[m].mean, d[m].lo, d[m].hi) for v, d in diffs.items()}
+                  for m in next(iter(diffs.values()))}
+        refs = {p: 1.0 if p == "tokens/s ratio" else 0.0 for p in panels}
+        written.append(figures.plot_intervals(panels, refs, folder / "differences.png",
+                                              f"Paired difference to vanilla, mean and {CONFIDENCE:.0%} t-interval over seeds"))
     summary = summarise(rows)
-    downstream = [k for k in _columns(rows) if "/" in k]
+    downstream = task_keys(rows)
     if downstream and any(r["status"] == "ok" for r in rows):
         means = {v: {k: s[k][0] for k in downstream if k in s} for v, s in summary.items() if s}
         stds = {v: {k: s[k][1] for k in downstream if k in s} for v, s in summary.items() if s}
@@ -122,12 +228,16 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
                     _, layer, mixer = key.split("/")
                     mixture.setdefault(layer, {}).setdefault(mixer, []).append((r["step"], w))
         if mixture:
+            moved = _moved_text(rows, label, "moved/mixture")
             written.append(figures.plot_mixture(mixture, folder / f"mixture_{slug(label)}.png",
-                                                f"{label}, seed {c.seed}: mixture weights per layer"))
+                                                f"{label}, seed {c.seed}: mixture weights per layer; at the end, "
+                                                f"distance from uniform {moved} (mean [{CONFIDENCE:.0%}] over seeds)"))
         matrices = figures.synthesizer_matrices(load_file(str(c.dir / "export" / "model.safetensors")))
         if matrices:
+            moved = _moved_text(rows, label, "moved/random")
             written.append(figures.plot_heads(matrices, folder / f"matrices_{slug(label)}.png",
-                                              f"{label}, seed {c.seed}: learned synthesizer logits per head"))
+                                              f"{label}, seed {c.seed}: learned synthesizer logits per head at the end; "
+                                              f"moved {moved} of their initial norm (mean [{CONFIDENCE:.0%}] over seeds)"))
     dense = next((c for label, c in finished.items() if "dense" in c.variant.encoder.split("+")), None)
     vanilla = next((c for c in finished.values() if c.variant.encoder == "vanilla"), None)
     if dense and vanilla:
@@ -158,8 +268,11 @@ def write_report(cfg: StudyConfig) -> Path:
     root = Path(cfg.study.dir)
     root.mkdir(parents=True, exist_ok=True)
     rows = collect(cfg)
+    for row, cell in zip(rows, cells(cfg)):  # collect's order: one row per cell
+        if row["status"] == "ok":
+            row.update(movement(cell.dir / "export", cell.seed))
     write_csv(rows, root / "results.csv")
-    write_markdown(cfg, rows, root / "results.md")
+    write_markdown(cfg, rows, root / "results.md", read_baseline(root))
     write_figures(cfg, rows, root / "figures")
     print((root / "results.md").read_text(), flush=True)
     return root / "results.md"
