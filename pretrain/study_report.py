@@ -95,8 +95,9 @@ def differences(rows: list[dict]) -> dict[str, dict[str, Interval]]:
 def pretraining_value(rows: list[dict]) -> dict[str, dict[str, Interval]]:
     """{variant: {TASK/METRIC: interval of pretrained - from random initialisation}} where scratch rows exist."""
     keys = [k for k in task_keys(rows) if any(f"scratch/{k}" in r for r in rows)]
-    return {v: {k: paired(rows, v, v, k, f"scratch/{k}") for k in keys}
-            for v in dict.fromkeys(r["variant"] for r in rows)} if keys else {}
+    variants = dict.fromkeys(r["variant"] for r in rows)
+    value = {v: {k: paired(rows, v, v, k, f"scratch/{k}") for k in keys} for v in variants}
+    return {v: d for v, d in value.items() if any(iv.n for iv in d.values())}
 
 
 def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path, baseline: dict | None = None) -> None:
@@ -171,7 +172,7 @@ def _difference_sections(rows: list[dict], baseline: dict | None) -> list[str]:
         lines += ["", "## How far the learned weights moved", "",
                   f"Mean over seeds with its {level} t-interval: the Random matrices' relative Frobenius change from "
                   "their initialisation, and the mixture weights' total-variation distance from uniform.", ""]
-        lines += _table(["variant", "Random matrices: ||R - R0|| / ||R0||", "mixture weights: distance from uniform"],
+        lines += _table(["variant", "Random matrices: relative change", "mixture weights: distance from uniform"],
                         [[v, *(t or "-" for t in texts)] for v, texts in moved.items()])
     found = verdicts(rows, baseline)
     if found:
@@ -230,14 +231,15 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
         if mixture:
             moved = _moved_text(rows, label, "moved/mixture")
             written.append(figures.plot_mixture(mixture, folder / f"mixture_{slug(label)}.png",
-                                                f"{label}, seed {c.seed}: mixture weights per layer; at the end, "
-                                                f"distance from uniform {moved} (mean [{CONFIDENCE:.0%}] over seeds)"))
+                                                f"{label}, seed {c.seed}: mixture weights per layer\nat the end, distance from "
+                                                f"uniform {moved} (mean [{CONFIDENCE:.0%} interval] over seeds)"))
         matrices = figures.synthesizer_matrices(load_file(str(c.dir / "export" / "model.safetensors")))
         if matrices:
             moved = _moved_text(rows, label, "moved/random")
             written.append(figures.plot_heads(matrices, folder / f"matrices_{slug(label)}.png",
-                                              f"{label}, seed {c.seed}: learned synthesizer logits per head at the end; "
-                                              f"moved {moved} of their initial norm (mean [{CONFIDENCE:.0%}] over seeds)"))
+                                              f"{label}, seed {c.seed}: learned synthesizer logits per head at the end\n"
+                                              f"moved {moved} of their initial norm (mean [{CONFIDENCE:.0%} interval] "
+                                              "over seeds)"))
     dense = next((c for label, c in finished.items() if "dense" in c.variant.encoder.split("+")), None)
     vanilla = next((c for c in finished.values() if c.variant.encoder == "vanilla"), None)
     if dense and vanilla:

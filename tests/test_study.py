@@ -2,7 +2,8 @@
 Dense+Random mixture, 2 seeds, a few steps each, driven through the real CLIs. The study is killed once after
 its first cell finished and the second cell's pretraining saved a checkpoint, then rerun: the first cell is
 not redone, the second resumes from its checkpoint, the failing cells are reported and the others finish.
-Every number in the table is checked against the run's own metrics.jsonl / results.json / safetensors."""
+Every number in the table is checked against the run's own metrics.jsonl / results.json / safetensors, and a
+paired difference with its interval against scipy's paired t-test on those numbers."""
 from __future__ import annotations
 
 import csv
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scipy import stats
 
 from tests.conftest import PreparedData
 
@@ -139,6 +141,18 @@ def test_table_cells_equal_the_runs_own_files(study: dict) -> None:
         assert f"{statistics.fmean(losses):.3f} ± {statistics.stdev(losses):.3f}" in line
         assert line.split(" | ")[1] == "2"  # n
     assert "| vanilla |" in md and "1.865" in md  # the paper's C4 log-perplexity beside vanilla
+    # the paired difference to vanilla (seed s minus seed s) with the 95% interval of scipy's paired t-test
+    loss = {(r["variant"], r["seed"]): float(r["eval_loss"]) for r in rows}
+    mixed, vanilla = ([loss[(v, s)] for s in ("1", "2")] for v in ("dense+random/random", "vanilla"))
+    lo, hi = stats.ttest_rel(mixed, vanilla).confidence_interval(0.95)
+    line = next(line for line in md[md.index("## Paired differences"):].splitlines()
+                if line.startswith("| dense+random/random |"))
+    assert line.split(" | ")[2] == f"{statistics.fmean(mixed) - statistics.fmean(vanilla):.3f} [{lo:.3f}, {hi:.3f}]"
+    # how far the mixture's learned weights moved: a number per finished cell, none for vanilla
+    for row in rows:
+        moved = [row[k] for k in ("moved/random", "moved/mixture")]
+        assert all(float(m) > 0 for m in moved) if row["variant"] != "vanilla" else moved == ["", ""], row
+    assert "| Q3 learned weights | dense+random/random's Random matrices moved beyond noise |" in md
 
 
 def test_figures_are_pngs_of_the_expected_count(study: dict) -> None:
@@ -146,8 +160,8 @@ def test_figures_are_pngs_of_the_expected_count(study: dict) -> None:
 
     figures = sorted(p.name for p in (study["root"] / "figures").iterdir())
     # vanilla has no mixture and no random matrices; dense+random/random has both; dense vs vanilla attention
-    assert figures == ["attention_dense_vs_vanilla.png", "downstream.png", "matrices_dense-random-random.png",
-                       "mixture_dense-random-random.png", "pretrain_loss.png"]
+    assert figures == ["attention_dense_vs_vanilla.png", "differences.png", "downstream.png",
+                       "matrices_dense-random-random.png", "mixture_dense-random-random.png", "pretrain_loss.png"]
     for name in figures:
         path = study["root"] / "figures" / name
         assert path.read_bytes()[:8] == PNG
