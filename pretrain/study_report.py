@@ -79,7 +79,8 @@ def _table(head: list[str], body: list[list[str]]) -> list[str]:
 
 def differences(rows: list[dict]) -> dict[str, dict[str, Interval]]:
     """{variant: {metric: paired interval vs vanilla}} for eval loss / accuracy, every task metric (differences)
-    and tokens/s (the ratio, key "tokens_per_s"); {} without a vanilla variant."""
+    and tokens/s (the ratio, key "tokens_per_s"), for the variants with a seed paired with vanilla's; {} without
+    a vanilla variant."""
     base = find_variant(rows, "vanilla")
     if base is None:
         return {}
@@ -89,7 +90,7 @@ def differences(rows: list[dict]) -> dict[str, dict[str, Interval]]:
         if variant != base:
             out[variant] = {m: paired(rows, variant, base, m) for m in metrics}
             out[variant]["tokens_per_s"] = paired(rows, variant, base, "tokens_per_s", op=ratio)
-    return out
+    return {v: d for v, d in out.items() if any(iv.n for iv in d.values())}
 
 
 def pretraining_value(rows: list[dict]) -> dict[str, dict[str, Interval]]:
@@ -203,7 +204,7 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
         written.append(figures.plot_curves(curves, folder / "pretrain_loss.png", "step", "training loss",
                                            "Pretraining loss (span corruption)"))
     diffs = differences(rows)
-    if any(iv.n for d in diffs.values() for iv in d.values()):
+    if diffs:
         names = {"eval_loss": "eval loss difference", "eval_accuracy": "eval token acc. difference",
                  "tokens_per_s": "tokens/s ratio"}
         panels = {names.get(m, f"{m} difference"): {v: (d[m].mean, d[m].lo, d[m].hi) for v, d in diffs.items()}
@@ -231,15 +232,14 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
         if mixture:
             moved = _moved_text(rows, label, "moved/mixture")
             written.append(figures.plot_mixture(mixture, folder / f"mixture_{slug(label)}.png",
-                                                f"{label}, seed {c.seed}: mixture weights per layer\nat the end, distance from "
-                                                f"uniform {moved} (mean [{CONFIDENCE:.0%} interval] over seeds)"))
+                                                f"{label}, seed {c.seed}: mixture weights per layer\nend: {moved} from "
+                                                f"uniform (TV; mean [{CONFIDENCE:.0%}] over seeds)"))
         matrices = figures.synthesizer_matrices(load_file(str(c.dir / "export" / "model.safetensors")))
         if matrices:
             moved = _moved_text(rows, label, "moved/random")
             written.append(figures.plot_heads(matrices, folder / f"matrices_{slug(label)}.png",
                                               f"{label}, seed {c.seed}: learned synthesizer logits per head at the end\n"
-                                              f"moved {moved} of their initial norm (mean [{CONFIDENCE:.0%} interval] "
-                                              "over seeds)"))
+                                              f"moved {moved} of their initial norm (mean [{CONFIDENCE:.0%}] over seeds)"))
     dense = next((c for label, c in finished.items() if "dense" in c.variant.encoder.split("+")), None)
     vanilla = next((c for c in finished.values() if c.variant.encoder == "vanilla"), None)
     if dense and vanilla:
