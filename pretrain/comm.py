@@ -11,8 +11,10 @@ collectives through the real engine):
 - ZeRO 1 and 2: after the optimizer step each rank's updated partition of the weights is all-gathered (model
   dtype, buckets of `zero.allgather_bucket_size` per parameter group): exposed.
 - ZeRO 2: every micro batch's backward all-reduces the gradients in buckets of `zero.reduce_bucket_size` (each
-  rank then keeps its partition: `allreduce_and_scatter`, not a reduce-scatter), on a side stream overlapped with
-  the rest of that backward when `zero.overlap_comm`.
+  rank then keeps its partition: `allreduce_and_scatter`, not a reduce-scatter), from the gradient hooks on a side
+  stream overlapped with the rest of that backward when `zero.overlap_comm`; a gradient larger than a bucket
+  alone. The shared embedding's gradient is complete when the backward ends: it and the last partial bucket are
+  reduced after it (`independent_gradient_partition_epilogue`), exposed.
 - ZeRO 3: weights all-gathered per layer in every forward and backward, gradients reduce-scattered, both
   prefetched/overlapped (counted as overlapped).
 - TP (megatron, no sequence parallelism): an all-reduce of the activations [b, n, d_model] after each
