@@ -11,8 +11,10 @@ collectives through the real engine):
 - ZeRO 1 and 2: after the optimizer step each rank's updated partition of the weights is all-gathered (model
   dtype, buckets of `zero.allgather_bucket_size` per parameter group): exposed.
 - ZeRO 2: every micro batch's backward all-reduces the gradients in buckets of `zero.reduce_bucket_size` (each
-  rank then keeps its partition: `allreduce_and_scatter`, not a reduce-scatter), on a side stream overlapped with
-  the rest of that backward when `zero.overlap_comm`.
+  rank then keeps its partition: `allreduce_and_scatter`, not a reduce-scatter), from the gradient hooks on a side
+  stream overlapped with the rest of that backward when `zero.overlap_comm`; a gradient larger than a bucket
+  alone. The shared embedding's gradient is complete when the backward ends: it and the last partial bucket are
+  reduced after it (`independent_gradient_partition_epilogue`), exposed.
 - ZeRO 3: weights all-gathered per layer in every forward and backward, gradients reduce-scattered, both
   prefetched/overlapped (counted as overlapped).
 - TP (megatron, no sequence parallelism): an all-reduce of the activations [b, n, d_model] after each
@@ -87,8 +89,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation: int, target_length: int,
                   num_params: int, flops_per_gpu: float, gpus_per_node: int, link_gbps: float = IB_GBPS,
-                  nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS) -> CommEstimate:
-    """The collectives of one step for one GPU holding `num_params` (its TP shard), DP group of `dp` ranks."""
+                  nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS,
+                  embedding_params: int = 0) -> CommEstimate:
+    """The collectives of one step for one GPU holding `num_params` (its TP shard, of which `embedding_params`
+    in the shared input embedding), DP group of `dp` ranks."""
     stage, zero = cfg.zero.stage, cfg.zero
     model_bytes = _BYTES[cfg.precision]
     comm_bytes = 4 if stage > 0 else model_bytes  # pretrain.engine reduces in fp32 under ZeRO (accumulates there)
@@ -100,11 +104,24 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
         if stage <= 1:
             found.append(Collective("gradients", "all_reduce", _ceil_div(num_params, BUFFERED_ALLREDUCE_ELEMENTS),
                                     grads, dp, dp_gbps, overlapped=False))
+        elif stage == 2:
+            # gradients fill buckets in backward order and each full bucket is reduced while the backward goes on;
+            # the shared embedding's gradient is complete only when the backward ends (the encoder uses it first),
+            # so it and the last partial bucket (the first encoder layers) are reduced after it, in the epilogue
+            rest = num_params - embedding_params
+            buckets = _ceil_div(rest, zero.reduce_bucket_size)
+            last = rest - (buckets - 1) * zero.reduce_bucket_size
+            if buckets > 1:
+                found.append(Collective("gradients", "all_reduce", (buckets - 1) * accumulation,
+                                        (rest - last) * comm_bytes * accumulation, dp, dp_gbps,
+                                        overlapped=zero.overlap_comm))
+            calls = 1 + (embedding_params > zero.reduce_bucket_size)  # DeepSpeed reduces a larger one alone
+            found.append(Collective("gradients, last", "all_reduce", calls * accumulation,
+                                    (last + embedding_params) * comm_bytes * accumulation, dp, dp_gbps,
+                                    overlapped=False))
         else:
-            calls = _ceil_div(num_params, zero.reduce_bucket_size) * accumulation
-            overlapped = zero.overlap_comm or stage == 3
-            op = "all_reduce" if stage == 2 else "reduce_scatter"
-            found.append(Collective("gradients", op, calls, grads * accumulation, dp, dp_gbps, overlapped))
+            found.append(Collective("gradients", "reduce_scatter", _ceil_div(num_params, zero.reduce_bucket_size)
+                                    * accumulation, grads * accumulation, dp, dp_gbps, overlapped=True))
         if stage in (1, 2):
             # per parameter group (pretrain.engine.param_groups: the matrices, and the vectors in one more call)
             found.append(Collective("weights", "all_gather", _ceil_div(num_params, zero.allgather_bucket_size) + 1,

@@ -61,8 +61,9 @@ def build_deepspeed_config(
         "train_batch_size": train.global_batch,  # = micro x accumulation x DP; DeepSpeed re-checks it
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": accumulation,
-        # global norm over DP and TP (the mpu makes it TP-aware); BF16_Optimizer's clipping is ours (_clip_on_device)
-        "gradient_clipping": 0.0 if _takes_bf16_optimizer(precision, zero.stage) else train.grad_clip,
+        # global norm over DP and TP (the mpu makes it TP-aware); in bf16 at ZeRO 1 and 2 the clipping is ours
+        # (_clip_on_device), and at ZeRO 2 the step-skip check too (_skip_on_invalid_norm)
+        "gradient_clipping": 0.0 if _clips_on_device(precision, zero.stage) else train.grad_clip,
         "zero_optimization": _zero_section(zero),
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 1000},
@@ -79,6 +80,8 @@ def build_deepspeed_config(
         # half-precision model only with ZeRO (stage 0 raises NotImplementedError)
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
         ds["communication_data_type"] = "fp32"
+    if _skips_on_norm(precision, zero.stage):
+        ds["bf16"]["check_grad_overflow"] = False
     if train.optimizer == "adamw":
         ds["optimizer"] = {
             "type": "AdamW",
@@ -105,16 +108,47 @@ def _takes_bf16_optimizer(precision: str, stage: int) -> bool:
     return precision == "bf16" and stage == 1
 
 
-def _clip_on_device(bf16_optimizer, max_norm: float) -> None:
-    """Clip BF16_Optimizer's gradients by their global norm as DeepSpeed would, without its `if clip_coef < 1`
-    (runtime/utils.py clip_tensors_by_global_norm), which waits for the device at every step: the factor
-    min(1, max_norm / (norm + 1e-6)) stays on the device and scales the fp32 gradient partitions the wrapped
-    optimizer is about to read, after the optimizer's skip check has passed on the same norm."""
-    inner = bf16_optimizer.optimizer
+def _skips_on_norm(precision: str, stage: int) -> bool:
+    """bf16 at ZeRO 2 (DeepSpeedZeroOptimizer): its own overflow check waits for the device three times a step
+    (an all-reduced flag's .item(), then an invalid-norm test before the update and one per group before clipping,
+    stage_1_and_2.py); pretrain.engine turns it off and decides the skip from the norm once (_skip_on_invalid_norm)."""
+    return precision == "bf16" and stage == 2
+
+
+def _clips_on_device(precision: str, stage: int) -> bool:
+    return _takes_bf16_optimizer(precision, stage) or _skips_on_norm(precision, stage)
+
+
+def _skip_on_invalid_norm(zero_optimizer) -> None:
+    """ZeRO 2 in bf16 with `check_grad_overflow` off: the step's one host sync tests DeepSpeed's global gradient
+    norm (over DP and TP, already reduced on every rank, so all ranks agree; -1.0 or non-finite when a gradient
+    is not finite). On such a step the check is switched back on for that step only: DeepSpeed's own test of
+    the same norm then takes its skip path (no update, no moment or LR change, `was_step_applied()` False)."""
+    norm_of, step = zero_optimizer.scaled_global_norm, zero_optimizer.step
+
+    def checked_norm(*args, **kwargs):
+        norm = norm_of(*args, **kwargs)
+        zero_optimizer.check_grad_overflow = not bool(torch.isfinite(norm) & (norm >= 0))
+        return norm
+
+    def guarded_step(*args, **kwargs):
+        zero_optimizer.check_grad_overflow = False  # no overflow all-reduce and .item() before the norm
+        return step(*args, **kwargs)
+
+    zero_optimizer.scaled_global_norm, zero_optimizer.step = checked_norm, guarded_step
+
+
+def _clip_on_device(wrapper, max_norm: float) -> None:
+    """Clip the gradients of DeepSpeed's `wrapper` (BF16_Optimizer, or the ZeRO 2 optimizer) by their global norm
+    as DeepSpeed would, without its host-side branch on the norm (BF16_Optimizer: `if clip_coef < 1` in
+    runtime/utils.py clip_tensors_by_global_norm; ZeRO 2: a validity test per group), which waits for the device
+    at every step: the factor min(1, max_norm / (norm + 1e-6)) stays on the device and scales the fp32 gradient
+    partitions the wrapped optimizer is about to read, after the skip check has passed on the same norm."""
+    inner = wrapper.optimizer
     step = inner.step
 
     def clipped_step(*args, **kwargs):
-        norm = torch.as_tensor(bf16_optimizer._global_grad_norm)
+        norm = torch.as_tensor(wrapper._global_grad_norm)
         grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].device))
         return step(*args, **kwargs)
@@ -194,8 +228,11 @@ def build_engine(
         mpu=deepspeed_mpu(),
         config=ds_config,
     )
-    if _takes_bf16_optimizer(precision, zero.stage) and train.grad_clip > 0:
-        assert type(engine.optimizer).__name__ == "BF16_Optimizer", type(engine.optimizer)
+    if _skips_on_norm(precision, zero.stage):
+        assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer", type(engine.optimizer)
+        _skip_on_invalid_norm(engine.optimizer)
+    if _clips_on_device(precision, zero.stage) and train.grad_clip > 0:
+        assert type(engine.optimizer).__name__ in ("BF16_Optimizer", "DeepSpeedZeroOptimizer"), type(engine.optimizer)
         _clip_on_device(engine.optimizer, train.grad_clip)
     log.info(
         "engine: ZeRO %d, %s, %s, global batch %d = micro %d x accumulation %d x DP %d",

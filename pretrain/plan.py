@@ -182,7 +182,8 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_p
     """The planner's table: layout, memory per GPU (GiB), FLOPs, communication per step."""
     flops = cfg.train.global_batch * flops_per_sequence(_resolved(cfg).model, layout.input_length, layout.target_length)
     comm = estimate_comm(cfg, layout.tp, layout.dp, layout.micro_batch, layout.accumulation, layout.target_length,
-                         est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops)
+                         est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops,
+                         embedding_params=layout.vocab_rows // layout.tp * cfg.model.d_model)
     g = lambda nbytes: f"{nbytes / GiB:7.2f}"  # noqa: E731
     lines = [
         f"layout: {layout.world} GPUs = TP {layout.tp} x DP {layout.dp}, ZeRO {layout.zero_stage}, {cfg.precision}; "

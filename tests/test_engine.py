@@ -31,7 +31,11 @@ def test_deepspeed_config_follows_ours():
     # bf16 with ZeRO: gradients accumulate and reduce in fp32
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    assert ds["gradient_clipping"] == 0.5 and ds["checkpoint"]["load_universal"] is True
+    # bf16 at ZeRO 2: clipping and the step-skip check are pretrain.engine's, on the device (one host sync a step)
+    assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["check_grad_overflow"] is False
+    assert ds["checkpoint"]["load_universal"] is True
+    fp32 = build_deepspeed_config(train, ZeroConfig(stage=2), "fp32", dp=4)
+    assert fp32["gradient_clipping"] == 0.5 and "check_grad_overflow" not in fp32["bf16"]
     params = ds["optimizer"]["params"]
     assert ds["optimizer"]["type"] == "AdamW" and params["betas"] == [0.9, 0.98] and params["weight_decay"] == 0.1
     assert params["torch_adam"] and params["fused"]  # torch's fused AdamW: no .item() per parameter per step
@@ -131,34 +135,51 @@ def test_weight_decay_reaches_matrices_only():
     assert len(decay["params"]) + len(no_decay["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
-def _clipped_weights(rank: int, world: int, ours: bool) -> list:
-    """A tiny bf16 ZeRO 1 engine (BF16_Optimizer) after two steps clipped hard (grad_clip 1e-3): by
-    pretrain.engine's clipping on the device (`ours`), or by DeepSpeed's own (gradient_clipping in its config)."""
+def _clipped_weights(rank: int, world: int, ours: bool, stage: int, inf_at: int | None = None) -> list:
+    """A tiny bf16 engine at ZeRO `stage` (1: BF16_Optimizer, 2: DeepSpeedZeroOptimizer), DP `world`, after three
+    steps clipped hard (grad_clip 1e-3): with pretrain.engine's clipping and skip check on the device (`ours`), or
+    with DeepSpeed's own (gradient_clipping and bf16.check_grad_overflow in its config). With `inf_at`, rank 0's
+    gradients are infinite at that step: it must be skipped everywhere. The fp32 master partitions, and the steps
+    applied."""
     import pretrain.engine
     from pretrain.config import Config, ParallelConfig, load_config
     from pretrain.model import build_model
     from pretrain.parallel import init_distributed
 
     if not ours:
-        pretrain.engine._takes_bf16_optimizer = lambda precision, stage: False
-    cfg = load_config(Config, "configs/tiny.yaml")
+        pretrain.engine._clips_on_device = pretrain.engine._skips_on_norm = lambda precision, stage: False
+    cfg = load_config(Config, "configs/tiny.yaml", [f"zero.stage={stage}", "zero.reduce_bucket_size=20000"])
     init_distributed(ParallelConfig(), seed=3)
-    train = dataclasses.replace(cfg.train, micro_batch=2, global_batch=2, grad_clip=1e-3, warmup_steps=0)
-    engine = pretrain.engine.build_engine(build_model(cfg.model), train, cfg.zero, "bf16", 1)
-    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
-                               labels=ids[:, 1:7]).loss)
+    train = dataclasses.replace(cfg.train, micro_batch=2, global_batch=2 * world, grad_clip=1e-3, warmup_steps=0)
+    engine = pretrain.engine.build_engine(build_model(cfg.model), train, cfg.zero, "bf16", world)
+    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(rank))
+    applied = []
+    for step in range(3):
+        loss = engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
+                      labels=ids[:, 1:7]).loss
+        if step == inf_at and rank == 0:
+            loss = loss * float("inf")  # every gradient of this rank infinite, before DP reduction
+        engine.backward(loss)
         engine.step()
-        assert engine.get_global_grad_norm() > 1e-3  # clipped
-    return [p.detach().float().clone() for p in engine.optimizer.fp32_groups_flat_partition]
+        applied.append(engine.was_step_applied())
+        if applied[-1]:
+            assert engine.get_global_grad_norm() > 1e-3  # clipped
+    partitions = engine.optimizer.fp32_groups_flat_partition if stage == 1 else \
+        engine.optimizer.single_partition_of_fp32_groups
+    return [p.detach().float().clone() for p in partitions], applied
 
 
-def test_clipping_on_the_device_equals_deepspeeds():
-    """BF16_Optimizer's clipping branches on the norm on the host (a sync per step); ours scales on the device:
-    the same fp32 master weights after two clipped steps."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_and_skip_on_the_device_equal_deepspeeds(stage):
+    """DeepSpeed's bf16 optimizers branch on the norm on the host to clip (a sync per step, and at ZeRO 2 two
+    more for its overflow checks); ours scale on the device and, at ZeRO 2, test the norm once: the same fp32
+    master weights after three clipped steps at DP 2, also when the second step's gradients are infinite on one
+    rank (skipped on both, as DeepSpeed does)."""
     from tests.distributed import run_distributed
 
-    ours, theirs = (run_distributed(_clipped_weights, 1, flag)[0] for flag in (True, False))
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for inf_at in (None, 1):
+        ours, theirs = (run_distributed(_clipped_weights, 2, flag, stage, inf_at) for flag in (True, False))
+        for (a_weights, a_applied), (b_weights, b_applied) in zip(ours, theirs):
+            assert a_applied == b_applied == [True, inf_at != 1, True]
+            for a, b in zip(a_weights, b_weights):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
