@@ -31,8 +31,10 @@ def model_init() -> Iterator[None]:
     `torch.manual_seed` gives the same model); afterwards the generators are back where the base draw left
     them, whatever the model holds (training-time draws such as dropout do not depend on the variant)."""
     global _base
-    # one int32 scalar on the host, whatever the device (a model built on the GPU or `meta` holds nothing there)
-    base = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device="cpu"))
+    # one int32 scalar on the host, whatever the device (a model built on the GPU holds nothing there); a build
+    # on `meta` (the planner's shapes, a model whose weights come from a file) draws nothing at all
+    meta = torch.get_default_device().type == "meta"
+    base = 0 if meta else int(torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device="cpu"))
     devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     outer, _base = _base, base
     try:
