@@ -87,8 +87,8 @@ def make_pairs(split: list[tuple[str, ...]], pairs_per_sentence: int, spec: Pair
     negatives from other sentences of the split that do not occur in it. `length(text)`: its tokens."""
     rows = []
     fits = lambda a, b: length(pair_input(a, b)) + 1 <= spec.max_input_length  # + EOS
+    split = [fit_sentence(words, length, spec) for words in split]  # both kinds of span from the same cut sentences
     for i, words in enumerate(split):
-        words = fit_sentence(words, length, spec)
         for span in _spans(words, spec.span_words, pairs_per_sentence, rng):
             for _ in range(100):  # a span of another sentence that is not in this one (almost always the first)
                 j = rng.randrange(len(split))
