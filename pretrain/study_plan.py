@@ -3,8 +3,8 @@
     python -m pretrain.study_plan --config configs/study/base_c4.yaml --nodes 1 --gpus-per-node 8 \
         [--gpu-memory-gb 80] [--gpu-tflops 989] [--mfu 0.4] [section.key=value ...]
 
-For each variant it builds the pretraining job's config as the study runs it (`pretrain.config`, then
-`pretrain.overrides`, then the variant's encoder and decoder attention) and runs the planner's checks on it
+For each variant it builds the pretraining job's config from the arguments the study passes it
+(`pretrain.study.pretrain_args` of the variant's first cell) and runs the planner's checks on it
 (`pretrain.plan`: the layout, the batch split, the memory per GPU) at nodes x gpus-per-node processes. It prints
 one line per variant (micro batch, memory, model FLOPs per step) and the grid's pretraining cost: model FLOPs x
 steps x seeds, in GPU-hours at the assumed MFU (model FLOPs utilisation) of --gpu-tflops. Exit 0 when every
@@ -21,21 +21,20 @@ from pretrain.config import Config, ConfigError, UsageError, load_config
 from pretrain.memory import GiB
 from pretrain.model.flops import flops_per_sequence
 from pretrain.plan import _resolved, check_job, check_memory
-from pretrain.study import StudyConfig, Variant, check_study, data_paths
+from pretrain.study import Cell, StudyConfig, cells, check_study, pretrain_args
 
 
-def pretrain_config(cfg: StudyConfig, variant: Variant) -> Config:
-    """The pretraining job's config of `variant` (run.dir and run.seed aside), as pretrain.study passes it."""
-    overrides = [*cfg.pretrain.overrides, f"model.encoder_attention={variant.encoder}",
-                 f"model.decoder_attention={variant.decoder}", f"data.tokenizer={data_paths(cfg)['tokenizer']}"]
-    return load_config(Config, cfg.pretrain.config, overrides)
+def pretrain_config(cfg: StudyConfig, cell: Cell) -> Config:
+    """The config of `cell`'s pretraining job, from the very arguments pretrain.study gives it."""
+    args = pretrain_args(cfg, cell)  # --config FILE section.key=value ...
+    return load_config(Config, args[1], args[2:])
 
 
 def plan_study(cfg: StudyConfig, world: int, memory: int, gpu_tflops: float, mfu: float) -> list[str]:
     """The report's lines; a UsageError names the first variant that does not fit and why."""
     lines, total = [], 0.0
-    for variant in cfg.study.variants:
-        job = pretrain_config(cfg, variant)
+    for cell in cells(cfg)[:: len(cfg.study.seeds)]:  # variant-major: each variant's first seed
+        variant, job = cell.variant, pretrain_config(cfg, cell)
         try:
             layout = check_job(job, world, memory)
             est = check_memory(job, layout, memory)
@@ -48,8 +47,7 @@ def plan_study(cfg: StudyConfig, world: int, memory: int, gpu_tflops: float, mfu
         lines.append(f"{variant.label:24s} TP {layout.tp} x DP {layout.dp}, micro {layout.micro_batch} x accumulation "
                      f"{layout.accumulation}: {est.total / GiB:5.1f} of {memory / GiB:.0f} GiB; {flops:.3e} FLOPs/step "
                      f"x {job.train.steps:,} steps = {hours:,.1f} GPU-hours per seed")
-    cells = len(cfg.study.variants) * len(cfg.study.seeds)
-    lines.append(f"pretraining, {cells} cells ({len(cfg.study.variants)} variants x {len(cfg.study.seeds)} seeds): "
+    lines.append(f"pretraining, {len(cfg.study.variants) * len(cfg.study.seeds)} cells ({len(cfg.study.variants)} variants x {len(cfg.study.seeds)} seeds): "
                  f"{total:,.0f} GPU-hours at {100 * mfu:.0f}% MFU of {gpu_tflops:.0f} TFLOP/s "
                  f"({total / world:,.1f} h on {world} GPUs)")
     return lines
