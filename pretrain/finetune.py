@@ -7,7 +7,8 @@ The same machinery as pretraining: process groups and TP (`pretrain.parallel`), 
 (`pretrain.checkpoint`), and the one loop (`pretrain.loop`: steps, skipped steps, metrics, evaluation,
 checkpoints, preemption with exit 75 and auto-resume, `train.exit_after`). The model is built at this job's TP
 from the export's full weights, Synthesizer layers and mixture weights included (`task.freeze_mixture` keeps
-the mixture fixed); inputs longer than a synthesizer's `model.max_length` are truncated to it. Evaluation (`pretrain.evaluate`)
+the mixture fixed), or with `from_scratch=true` at a random initialisation (run.seed) of the same model, the
+reference that shows what pretraining is worth; inputs longer than a synthesizer's `model.max_length` are truncated to it. Evaluation (`pretrain.evaluate`)
 runs every `eval.every` steps and at the end, writing `RUN/results.json`, `RUN/results.md` and test-set
 predictions under `RUN/submission/`.
 """
@@ -80,6 +81,7 @@ class FinetuneEvalConfig:
 @dataclass(frozen=True)
 class FinetuneConfig:
     init: str = ""  # export folder to start from (python -m pretrain.export)
+    from_scratch: bool = False  # a random initialisation of init's model (its config and tokenizer, not its weights)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -153,11 +155,13 @@ def tokenize(examples: list[Example], tokenizer: Tokenizer, max_input_length: in
 
 def build_from_export(model_cfg: ModelConfig, folder: str | Path, freeze_mixture: bool,
                       activation_checkpointing: str | bool = "none", compile: bool = False,
-                      device: torch.device | str = "cpu") -> T5Model:
+                      device: torch.device | str = "cpu", weights: bool = True) -> T5Model:
     """This rank's TP shard of the exported model on `device` (every TP size), read one parameter at a time
-    (pretrain.model.pretrained): the host never holds the model."""
+    (pretrain.model.pretrained): the host never holds the model. weights=False: the model as initialised
+    (from run.seed), for the from-scratch reference."""
     model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile, device=device)
-    load_weights(model, folder, strict=True)
+    if weights:
+        load_weights(model, folder, strict=True)
     if freeze_mixture:
         for name, param in model.named_parameters():
             if name.endswith(".attn.mix"):
@@ -226,10 +230,10 @@ def finetune(cfg: FinetuneConfig) -> int:
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
         plan = prepare_resume(resume, model_cfg, inputs, dims, cfg.parallel.timeout_s) if resume else None
         model = build_from_export(model_cfg, cfg.init, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
-                                  cfg.train.compile, dims.device)
+                                  cfg.train.compile, dims.device, weights=not cfg.from_scratch)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
                               load_universal=bool(plan and plan.universal))
-        if not plan:  # a resume restores its own master weights
+        if not plan and not cfg.from_scratch:  # a resume restores its own master weights
             load_master_weights(engine, cfg.init)
 
         # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------

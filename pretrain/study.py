@@ -7,14 +7,16 @@ Every step is the project's own command in a subprocess (`pretrain.train`, `pret
 `pretrain.finetune`; through `launch.local`, i.e. torchrun, when study.processes > 1), so the study runs what
 a user runs and knows nothing of the trainer's internals. The parts, for SLURM arrays (slurm/study.sh):
 
-    --stage data                      fetch text, tokenizer, shards and the polarity set (data.fetch); baseline.json
+    --stage data                      fetch text, tokenizer, shards, the polarity set and the pair probe
+                                      (data.fetch); baseline.json
     --cells                           print the number of cells (variants x seeds) and the study folder
     --cell I --stage pretrain         pretrain cell I          --cell I --stage downstream   export + fine-tune
+                                                                (each task from the export and from scratch)
     --stage report                    results.csv, results.md, figures/ from whatever cells finished
 
 study.dir holds data/ (when fetched), baseline.json (the unigram baseline of the pretraining's eval slice),
-cells/VARIANT-sSEED/ (pretrain/, export/, finetune/TASK/, logs/, done/ stage markers, and cell.json, the cell's
-row, written last), results.csv, results.md and figures/. study.concurrent cells run at once.
+cells/VARIANT-sSEED/ (pretrain/, export/, finetune/TASK/, scratch/TASK/, logs/, done/ stage markers, and
+cell.json, the cell's row, written last), results.csv, results.md and figures/. study.concurrent cells run at once.
 Resume: a cell with cell.json is skipped; a stage with its marker is skipped; an unfinished pretraining or
 fine-tuning resumes from its run's checkpoints/latest (the jobs auto-resume). A failing stage writes the
 cell's failed.json (stage, exit code, log) and the study goes on with the next cell; it is retried on a rerun.
@@ -39,6 +41,8 @@ from pretrain.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_ONLY = ("variant", "encoder", "decoder", "status")
+FETCHED_TASKS = ("polarity", "pair")  # the task folders data.fetch makes (prepare_data)
+SCRATCH = "scratch"  # row keys "scratch/TASK/METRIC": the task fine-tuned from a random initialisation
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -59,7 +63,7 @@ class Variant:
 class StudyTask:
     name: str = "polarity"  # label; configs/finetune/NAME.yaml unless `config` is set
     config: str = ""  # fine-tuning config file
-    data: str = ""  # the task's folder; empty: the fetched polarity set (data.fetch)
+    data: str = ""  # the task's folder; empty: the fetched set of `polarity` or `pair` (data.fetch)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class GridConfig:
 
 @dataclass(frozen=True)
 class StudyDataConfig:
-    fetch: bool = True  # make demo's data chain into `dir`: real text, tokenizer, shards, polarity set
+    fetch: bool = True  # make demo's data chain into `dir`: real text, tokenizer, shards, polarity set, pair probe
     dir: str = ""  # where fetched data goes (default: study.dir/data); reused when already there
     vocab_size: int = 1000  # tokenizer pieces (+ 100 sentinels) when fetching
     train: str = ""  # shards, valid shards and spiece.model when not fetching
@@ -108,8 +112,9 @@ def check_study(cfg: StudyConfig) -> None:
     if not cfg.data.fetch and not (cfg.data.train and cfg.data.tokenizer):
         raise ConfigError("data.fetch is false: set data.train, data.valid and data.tokenizer")
     for task in cfg.study.tasks:
-        if not task.data and not (cfg.data.fetch and task.name == "polarity"):
-            raise ConfigError(f"study.tasks '{task.name}': set its data folder (only polarity is fetched)")
+        if not task.data and not (cfg.data.fetch and task.name in FETCHED_TASKS):
+            raise ConfigError(f"study.tasks '{task.name}': set its data folder (only {' and '.join(FETCHED_TASKS)} "
+                              "are fetched)")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -137,12 +142,14 @@ def cells(cfg: StudyConfig) -> list[Cell]:
 
 
 def data_paths(cfg: StudyConfig) -> dict[str, str]:
-    """data.train / data.valid / data.tokenizer for the jobs, and `polarity`, the fetched task folder."""
+    """data.train / data.valid / data.tokenizer for the jobs, and `polarity` and `pair`, the fetched task folders."""
     if not cfg.data.fetch:
-        return {"train": cfg.data.train, "valid": cfg.data.valid, "tokenizer": cfg.data.tokenizer, "polarity": ""}
+        return {"train": cfg.data.train, "valid": cfg.data.valid, "tokenizer": cfg.data.tokenizer, "polarity": "",
+                "pair": ""}
     root = Path(cfg.data.dir or Path(cfg.study.dir) / "data").resolve()
     return {"train": str(root / "shards" / "train"), "valid": str(root / "shards" / "valid"),
-            "tokenizer": str(root / "tokenizer" / "spiece.model"), "polarity": str(root / "polarity")}
+            "tokenizer": str(root / "tokenizer" / "spiece.model"), "polarity": str(root / "polarity"),
+            "pair": str(root / "pair")}
 
 
 def _module(cfg: StudyConfig, module: str, args: list[str]) -> list[str]:
@@ -202,6 +209,10 @@ def prepare_data(cfg: StudyConfig) -> None:
         ("valid shards", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-validation.*.json.gz"),
                           "--output", paths["valid"], "--tokenizer", paths["tokenizer"]], Path(paths["valid"]) / "index.json"),
         ("polarity", [py, "-m", "pretrain.tasks.polarity", "--output", paths["polarity"]], Path(paths["polarity"]) / "test.tsv"),
+        # the span probe from the validation documents (held out of pretraining), every input within 64 tokens
+        ("pair", [py, "-m", "pretrain.tasks.pair_data", "--input", str(text / "c4-validation.*.json.gz"), "--output",
+                  paths["pair"], "--tokenizer", paths["tokenizer"], "--max-input-length", "64"],
+         Path(paths["pair"]) / "test.tsv"),
     ]
     for name, cmd, done in stages:
         if done.exists():
@@ -260,17 +271,21 @@ def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
 
 
 def run_downstream(cfg: StudyConfig, cell: Cell) -> bool:
-    """Export, then fine-tune and evaluate on each task; then the cell's row (cell.json) as the last write."""
+    """Export, then fine-tune and evaluate on each task, from the export (finetune/TASK) and from a random
+    initialisation of the same model config and seed (scratch/TASK: the export names the model and tokenizer);
+    then the cell's row (cell.json) as the last write."""
     export = cell.dir / "export"
     cmd = [sys.executable, "-m", "pretrain.export", "--run", str(cell.dir / "pretrain"), "--output", str(export)]
     if not export.is_dir() and not _stage(cell, "export", cmd):
         return False
     for task in cfg.study.tasks:
         args = ["--config", task.config or f"configs/finetune/{task.name}.yaml", *cfg.finetune.overrides,
-                f"init={export}", f"data.dir={task.data or data_paths(cfg)['polarity']}",
-                f"run.dir={cell.dir / 'finetune' / task.name}", f"run.seed={cell.seed}"]
-        if not _stage(cell, f"finetune-{task.name}", _module(cfg, "pretrain.finetune", args)):
-            return False
+                f"init={export}", f"data.dir={task.data or data_paths(cfg)[task.name]}", f"run.seed={cell.seed}"]
+        for stage, folder, extra in ((f"finetune-{task.name}", "finetune", []),
+                                     (f"{SCRATCH}-{task.name}", SCRATCH, ["from_scratch=true"])):
+            run_dir = f"run.dir={cell.dir / folder / task.name}"
+            if not _stage(cell, stage, _module(cfg, "pretrain.finetune", [*args, *extra, run_dir])):
+                return False
     row = cell_row(cfg, cell)
     (cell.dir / "cell.json.tmp").write_text(json.dumps(row, indent=1) + "\n")
     (cell.dir / "cell.json.tmp").replace(cell.dir / "cell.json")
@@ -331,8 +346,9 @@ def cell_row(cfg: StudyConfig, cell: Cell) -> dict:
            "seed": cell.seed, "status": "ok", "parameters": count_parameters(cell.dir / "export")}
     row.update(pretrain_figures(read_metrics(cell.dir / "pretrain")))
     for task in cfg.study.tasks:
-        results = json.loads((cell.dir / "finetune" / task.name / "results.json").read_text())
-        row.update(downstream_figures(task.name, results))
+        for folder, prefix in (("finetune", task.name), (SCRATCH, f"{SCRATCH}/{task.name}")):
+            results = json.loads((cell.dir / folder / task.name / "results.json").read_text())
+            row.update(downstream_figures(prefix, results))
     return row
 
 

@@ -184,3 +184,39 @@ def test_trainer_side_check_leaves_the_real_process_groups_alone():
     assert parallel_state.get_tensor_model_parallel_world_size() == 1 and dist.is_initialized()
     with pytest.raises(ValueError, match=r"^does not fit: needs [0-9.]+ GiB per GPU of 8 GiB"):
         check_memory(cfg, layout, 8 * 2**30)
+
+
+PAPER_VARIANTS = ["vanilla", "random", "factorized_random", "dense", "random+vanilla", "dense+vanilla"]
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_paper_scale_study_passes_the_planner(capsys, nodes):
+    """configs/study/base_c4.yaml through pretrain.study_plan: every variant's pretraining fits 80 GB GPUs at
+    1 x 8 and 4 x 8; its FLOPs per step are the planner's for that variant's own job, its GPU-hours those FLOPs
+    x steps at 40% of 989 TFLOP/s, and the total those hours x 3 seeds."""
+    import re
+
+    from pretrain.study_plan import main as study_plan
+
+    code = study_plan(["--config", "configs/study/base_c4.yaml", "--nodes", str(nodes), "--gpus-per-node", "8"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.strip().splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == PAPER_VARIANTS
+    per_seed = []
+    for variant, line in zip(PAPER_VARIANTS, lines):
+        assert f"TP 1 x DP {8 * nodes}," in line
+        flops, steps, hours = re.search(r"([\d.e+]+) FLOPs/step x ([\d,]+) steps = ([\d.]+) GPU-hours", line).groups()
+        assert int(steps.replace(",", "")) == 262144
+        assert float(hours) == pytest.approx(float(flops) * 262144 / (989e12 * 0.4) / 3600, abs=0.06)
+        per_seed.append(float(hours))
+        if nodes == 1:  # the FLOPs do not depend on the layout: compared once
+            assert main(["--config", "configs/base.yaml", "train.global_batch=128", f"model.encoder_attention={variant}",
+                         f"model.decoder_attention={variant}"]) == 0
+            assert f"model FLOPs per step: {float(flops):.3e}" in capsys.readouterr().out
+    total = re.search(r"cells \(6 variants x 3 seeds\): ([\d,]+) GPU-hours at 40% MFU", lines[-1]).group(1)
+    assert float(total.replace(",", "")) == pytest.approx(3 * sum(per_seed), abs=1)
+    code = study_plan(["--config", "configs/study/base_c4.yaml", "--nodes", str(nodes), "--gpu-memory-gb", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("python -m pretrain.study_plan: error: variant vanilla: does not fit")

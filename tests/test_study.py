@@ -83,7 +83,8 @@ def test_every_file_written(study: dict) -> None:
         finished = not cell.startswith("typo")
         assert (root / "cells" / cell / "cell.json").is_file() == finished, cell
         if finished:
-            for part in ("pretrain/metrics.jsonl", "export/model.safetensors", "finetune/polarity/results.json"):
+            for part in ("pretrain/metrics.jsonl", "export/model.safetensors", "finetune/polarity/results.json",
+                         "scratch/polarity/results.json"):
                 assert (root / "cells" / cell / part).is_file(), (cell, part)
 
 
@@ -132,6 +133,12 @@ def test_table_cells_equal_the_runs_own_files(study: dict) -> None:
         assert float(row["eval_accuracy"]) == last_eval["eval_accuracy"]
         results = json.loads((cell / "finetune" / "polarity" / "results.json").read_text())
         assert float(row["polarity/accuracy_rank"]) == results["sst2"]["accuracy_rank"]
+        # the from-scratch row: the same task, seed and model config (the export's), from a random initialisation
+        scratch = json.loads((cell / "scratch" / "polarity" / "results.json").read_text())
+        assert float(row["scratch/polarity/accuracy_rank"]) == scratch["sst2"]["accuracy_rank"]
+        config = yaml.safe_load((cell / "scratch" / "polarity" / "config.yaml").read_text())
+        assert config["from_scratch"] is True and Path(config["init"]) == (cell / "export").resolve() and config["run"]["seed"] == int(row["seed"])
+        assert yaml.safe_load((cell / "finetune" / "polarity" / "config.yaml").read_text())["from_scratch"] is False
         assert int(row["parameters"]) == sum(t.numel() for t in load_file(str(cell / "export" / "model.safetensors")).values())
     # the markdown table: mean +- standard deviation over the two seeds
     md = (root / "results.md").read_text()
@@ -185,6 +192,10 @@ def test_bad_study_config_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert out.strip().splitlines() == ["python -m pretrain.study: error: study.variants: two variants are labelled "
                                         "the same (['random', 'random']); set their name"]
+    config.write_text(yaml.safe_dump({"study": {"tasks": [{"name": "pair"}, {"name": "rte"}]}}))
+    out = _study(config).communicate()[0]
+    assert out.strip().splitlines() == ["python -m pretrain.study: error: study.tasks 'rte': set its data folder (only "
+                                        "polarity and pair are fetched)"]
     proc = _study(config, "study.sedes=[1]")
     out = proc.communicate()[0]
     assert proc.returncode == 2 and "did you mean 'study.seeds'" in out

@@ -169,7 +169,7 @@ def test_glue_and_superglue_submission_formats(tmp_path):
 
 
 def test_every_task_has_label_words_metrics_and_splits():
-    assert len(TASKS) == 16
+    assert len(TASKS) == 17  # GLUE, SuperGLUE and the study's span probe (pair)
     for task in TASKS.values():
         assert task.splits and task.metrics and task.label_words
         assert task.regression or len(task.raw_labels) == len(task.label_words)

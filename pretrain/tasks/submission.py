@@ -26,7 +26,7 @@ def write_submission(task: Task, split: Split, examples: Sequence[Example], pred
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / split.submission
     labels = [submission_label(task, p) for p in predictions]
-    if task.benchmark == "glue":
+    if task.benchmark in ("glue", "probe"):  # the probe: GLUE's layout
         lines = ["index\tprediction"] + [f"{e.idx}\t{label}" for e, label in zip(examples, labels)]
     elif task.name == "multirc":
         lines = _multirc_lines(examples, labels)

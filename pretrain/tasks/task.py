@@ -51,7 +51,7 @@ Convert = Callable[[Record], str]  # record -> the input text after the task pre
 class Task:
     name: str  # the registry key: "sst2", "boolq", "rte_superglue"
     prefix: str  # T5's task prefix at the start of every input: "sst2", "rte"
-    benchmark: str  # "glue" or "superglue"
+    benchmark: str  # "glue", "superglue", or "probe" (made here, in GLUE's layout: pretrain.tasks.pair)
     folder: str  # the task folder in the official download: "SST-2", "BoolQ"
     fields: tuple[str, ...]  # columns / JSON fields every file must have (the label is checked apart)
     label_field: str  # the column / field holding the label in train and validation files
