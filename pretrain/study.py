@@ -32,6 +32,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -189,8 +190,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_SAY = threading.Lock()
+
+
 def _say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    with _SAY:  # concurrent cells: one whole line each
+        sys.stdout.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+        sys.stdout.flush()
 
 
 def prepare_data(cfg: StudyConfig) -> None:
@@ -375,6 +381,10 @@ def run_study(cfg: StudyConfig) -> int:
     """The whole study in this process; exit 1 if a cell failed (the report is written either way)."""
     from pretrain.study_report import write_report
 
+    # the jobs share the cores: one thread each unless the user says otherwise (2 jobs of 2 OpenMP threads on 2
+    # cores spin against each other: a step took 5-10x longer)
+    jobs = cfg.study.concurrent * cfg.study.processes
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     prepare_data(cfg)
     write_baseline(cfg)
     grid = cells(cfg)
