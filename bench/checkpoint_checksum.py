@@ -1,6 +1,6 @@
 """What the checksums in complete.json add to a checkpoint save: a real `CheckpointManager.save` of a DeepSpeed
 engine (one process, gloo, fp32, ZeRO 1, Adam) on configs/tiny.yaml widened to a few hundred MB of checkpoint,
-timed whole and in its checksum part (`pretrain.manifest.describe` over the files the save wrote, as the save
+timed whole and in its checksum part (`pretrain.core.manifest.describe` over the files the save wrote, as the save
 runs it), plus zlib's crc32 on a buffer in memory.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.checkpoint_checksum [--d-model 256] [--saves 3] [--dir DIR]
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import CheckpointManager, Progress, RunInputs
-from pretrain.config import Config, ParallelConfig, load_config
-from pretrain.engine import build_engine
-from pretrain.manifest import describe
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
+from pretrain.core.config import Config, ParallelConfig, load_config
+from pretrain.runtime.engine import build_engine
+from pretrain.core.manifest import describe
 from pretrain.model import build_model, universal_checkpoint_info
-from pretrain.parallel import destroy_distributed, init_distributed
+from pretrain.distributed.parallel import destroy_distributed, init_distributed
 
 
 def _crc32_rate(size: int = 256 << 20, chunk: int = 16 << 20) -> float:

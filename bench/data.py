@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.config import DataConfig
+from pretrain.core.config import DataConfig
 from pretrain.data.documents import read_documents
 from pretrain.data.fetch import default_cache, fetch
 from pretrain.data.loader import build_train_loader

@@ -1,4 +1,4 @@
-"""Start-up time of the DeepSpeed engine (`pretrain.engine.build_engine`: optimizer, ZeRO, precision) for a config
+"""Start-up time of the DeepSpeed engine (`pretrain.runtime.engine.build_engine`: optimizer, ZeRO, precision) for a config
 as shipped, on one CPU process over gloo, with a real model of the config's shape (T5's 32100 ids).
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.engine_start --config configs/base.yaml
@@ -15,10 +15,10 @@ import os
 import socket
 import time
 
-from pretrain.config import Config, load_config
-from pretrain.engine import build_engine
+from pretrain.core.config import Config, load_config
+from pretrain.runtime.engine import build_engine
 from pretrain.model import build_model
-from pretrain.parallel import init_distributed
+from pretrain.distributed.parallel import init_distributed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -109,9 +109,9 @@ startup_check() {
     "$PY" - "$CONFIG" "$DEVICE" <<'EOF'
 import resource, sys
 import torch
-from pretrain.config import Config, load_config
+from pretrain.core.config import Config, load_config
 from pretrain.model import build_model, with_vocab
-from pretrain.parallel import init_single_process
+from pretrain.distributed.parallel import init_single_process
 
 config, device = sys.argv[1:]
 torch.empty(1, device=device)  # the CUDA context first: its host memory is not the model's

@@ -3,7 +3,7 @@ in a fresh process and counted from the resident set after its imports:
 - fine-tuning's start-up: an export into the model built on the rank's device (`pretrain.finetune.build_from_export`,
   one tensor at a time through `pretrain.model.pretrained`), next to building that model alone: on the CPU the
   model itself is host memory, so what loading costs is the difference;
-- export: a training checkpoint into an export folder (`pretrain.export.export`).
+- export: a training checkpoint into an export folder (`pretrain.transfer.exporting.export`).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.host_memory --tokenizer SPIECE [--d-model 1024 --d-ff 2816
         --layers 12] [--run RUN]
@@ -30,11 +30,11 @@ def _status(key: str) -> int:
 
 def _measure(what: str, source: str, output: str) -> dict[str, int]:
     """In this (fresh) process: the resident set after imports, the peak after them, and the model's bytes."""
-    from pretrain.export import export
+    from pretrain.transfer.exporting import export
     from pretrain.finetune import build_from_export
     from pretrain.model import build_model
     from pretrain.model.pretrained import export_config
-    from pretrain.parallel import init_single_process
+    from pretrain.distributed.parallel import init_single_process
 
     init_single_process()
     if what == "export":  # what the export imports as it runs: DeepSpeed's checkpoint readers, HF's tokenizer
@@ -85,8 +85,8 @@ def main() -> None:
         return
     import torch
 
-    from pretrain.config import Config, load_config
-    from pretrain.export import write_export
+    from pretrain.core.config import Config, load_config
+    from pretrain.transfer.exporting import write_export
     from pretrain.model import build_local_model
 
     tiny = load_config(Config, REPO / "configs" / "tiny.yaml")

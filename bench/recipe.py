@@ -18,7 +18,7 @@ import socket
 import statistics
 from pathlib import Path
 
-from pretrain.config import Config, load_config
+from pretrain.core.config import Config, load_config
 from pretrain.train import train
 
 MODEL = ["model.d_model=64", "model.d_ff=128", "model.num_heads=2", "model.d_kv=32", "model.num_layers=2",

@@ -1,4 +1,4 @@
-"""Throughput of the trainer's own step (`pretrain.loop.train_step`: DeepSpeed forward, backward, the step's
+"""Throughput of the trainer's own step (`pretrain.runtime.loop.train_step`: DeepSpeed forward, backward, the step's
 DP all-reduce and skip check, clipping, AdamW) for attention variants, per GPU: median step time and its spread,
 tokens/s, model TFLOP/s (pretrain.model.flops), MFU against the device peak, and peak memory.
 
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.config import Config, load_config
+from pretrain.core.config import Config, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
-from pretrain.engine import build_engine
-from pretrain.loop import install_skip_guard, to_device, train_step
-from pretrain.metrics import peak_flops
+from pretrain.runtime.engine import build_engine
+from pretrain.runtime.loop import install_skip_guard, to_device, train_step
+from pretrain.runtime.metrics import peak_flops
 from pretrain.model import build_model
 from pretrain.model.flops import flops_per_sequence
-from pretrain.parallel import destroy_distributed, init_distributed
+from pretrain.distributed.parallel import destroy_distributed, init_distributed
 
 VARIANTS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random",
             "random+vanilla", "dense+vanilla")

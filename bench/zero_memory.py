@@ -1,5 +1,5 @@
 """Per-rank memory of parameters, gradients and optimizer states under ZeRO 0-3 at DP = 2 and 4, counted
-in tensor bytes on every rank, against the planner's model-state bytes (pretrain.memory, the ZeRO paper's
+in tensor bytes on every rank, against the planner's model-state bytes (pretrain.planning.memory, the ZeRO paper's
 formulas, Rajbhandari et al. 2020, fig. 1, in DeepSpeed's layout); and
 the step time of the DeepSpeed engine against a plain PyTorch loop (DDP + torch AdamW) on the same model.
 
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pretrain.config import Config, ParallelConfig, load_config
-from pretrain.engine import build_engine
-from pretrain.memory import model_state_bytes
+from pretrain.core.config import Config, ParallelConfig, load_config
+from pretrain.runtime.engine import build_engine
+from pretrain.planning.memory import model_state_bytes
 from pretrain.model import build_model
-from pretrain.parallel import destroy_distributed, init_distributed
+from pretrain.distributed.parallel import destroy_distributed, init_distributed
 
 MODEL_OVERRIDES = ["model.d_model=128", "model.d_ff=256", "model.num_heads=4", "model.d_kv=32"]
 
@@ -61,7 +61,7 @@ def _measure(engine, batch: dict) -> dict[str, int]:
 
 
 def _formula(stage: int, num_params: int, dp: int) -> dict[str, float]:
-    """The planner's bytes (pretrain.memory) of fp32 AdamW; ZeRO 1's gradient is the whole one it counts, which
+    """The planner's bytes (pretrain.planning.memory) of fp32 AdamW; ZeRO 1's gradient is the whole one it counts, which
     lives until the end of the backward, not the partition measured after it."""
     params, grads, optimizer = model_state_bytes(num_params, "fp32", stage, dp, "adamw")
     return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -101,7 +101,7 @@ def _free_port() -> int:
 
 # Megatron's setting for tensor parallelism: TP's communication kernels run in the order they are issued with the
 # compute that consumes them. CUDA reads it when a process creates its CUDA context, so the launchers put it in the
-# job's environment (launch.local, slurm/site.sh); pretrain.parallel sets it too, for launches that did not.
+# job's environment (launch.local, slurm/site.sh); pretrain.distributed.parallel sets it too, for launches that did not.
 CUDA_CONNECTIONS = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 # What NCCL's watchdog does with a collective that timed out (or failed): 3, torch's own default, takes the

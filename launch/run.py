@@ -8,7 +8,7 @@ ranks' "preempted, checkpoint saved" code; and a rank's one-line error is follow
 `ChildFailedError` report. This launcher runs torchrun itself (`torch.distributed.run.run`, its option parser and
 agent), so every torchrun option works (`--standalone`, `--nnodes`, `--rdzv-backend c10d`, ...), with two changes:
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the ranks, which decide what they mean (the jobs checkpoint and
-  exit 75: pretrain.faults), and the agent keeps watching the ranks until they exit;
+  exit 75: pretrain.runtime.faults), and the agent keeps watching the ranks until they exit;
 - the launcher exits with the ranks' code (`job_exit_code`) and prints nothing after their last line, except for
   a rank killed by a signal, which could not say so itself (one line); a rank that crashed (SIGABRT, SIGSEGV...)
   makes it 128 + N, never the ranks' "preempted" code, so a requeue wrapper does not requeue a crash.
@@ -29,7 +29,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 # how the agent ends the other ranks once one failed: a rank ended so did not crash
 AGENT_KILLS = (signal.SIGTERM, signal.SIGKILL)
-# the jobs' "preempted, checkpoint saved" code (pretrain.faults.EXIT_PREEMPTED; not imported: that loads megatron,
+# the jobs' "preempted, checkpoint saved" code (pretrain.runtime.faults.EXIT_PREEMPTED; not imported: that loads megatron,
 # seconds of CPU on the way out; tests/test_faults.py checks that they agree)
 EXIT_PREEMPTED = 75
 

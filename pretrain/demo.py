@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n[{time.perf_counter() - start:6.0f}s] done. Scores (dev set, % ; _rank: rank classification):\n")
     print((finetune / "results.md").read_text())
     print(f"exported model:   {export}  (loads with AutoModelForSeq2SeqLM.from_pretrained(..., "
-          "trust_remote_code=True) or pretrain.export.load_pretrained)")
+          "trust_remote_code=True) or pretrain.transfer.exporting.load_pretrained)")
     print(f"TensorBoard logs: tensorboard --logdir {work}  (pretrain/tensorboard, finetune/tensorboard)")
     print(f"results:          {finetune / 'results.json'}; test predictions {finetune / 'submission' / 'SST-2.tsv'}")
 

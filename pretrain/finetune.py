@@ -2,9 +2,9 @@
 `python -m launch.run --nproc-per-node N -m pretrain.finetune --config configs/finetune/TASK.yaml init=OUT data.dir=DIR
 run.dir=RUN [section.key=value ...]` (or `srun python -m pretrain.finetune ...`).
 
-The same machinery as pretraining: process groups and TP (`pretrain.parallel`), the DeepSpeed engine
-(`pretrain.engine`: ZeRO, bf16, clipping, LR schedule), checkpoints with resume and re-sharding
-(`pretrain.checkpoint`), and the one loop (`pretrain.loop`: steps, skipped steps, metrics, evaluation,
+The same machinery as pretraining: process groups and TP (`pretrain.distributed.parallel`), the DeepSpeed engine
+(`pretrain.runtime.engine`: ZeRO, bf16, clipping, LR schedule), checkpoints with resume and re-sharding
+(`pretrain.runtime.checkpoint`), and the one loop (`pretrain.runtime.loop`: steps, skipped steps, metrics, evaluation,
 checkpoints, preemption with exit 75 and auto-resume, `train.exit_after`). The model is built at this job's TP
 from the export's full weights, Synthesizer layers and mixture weights included (`task.freeze_mixture` keeps
 the mixture fixed), or with `from_scratch=true` at a random initialisation (run.seed) of the same model, the
@@ -15,7 +15,7 @@ predictions under `RUN/submission/`.
 from __future__ import annotations
 
 if __name__ == "__main__":  # answer --help before the heavy imports below (torch, DeepSpeed, megatron: seconds)
-    from pretrain.cli import exit_on_help
+    from pretrain.core.cli import exit_on_help
     exit_on_help("FinetuneConfig", prog="pretrain.finetune")
 
 import dataclasses
@@ -28,18 +28,18 @@ from typing import Iterator
 import torch
 import yaml
 
-from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
-from pretrain.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
+from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
                              TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
-from pretrain.engine import build_engine, load_master_weights, num_accumulation_steps
-from pretrain.evaluate import METHODS, evaluate_task, input_limit, write_results
-from pretrain.faults import EXIT_OK, run_with_exit_codes
-from pretrain.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
-from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
-from pretrain.metrics import MetricsLogger
+from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
+from pretrain.transfer.evaluation import METHODS, evaluate_task, input_limit, write_results
+from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes
+from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
+from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
+from pretrain.runtime.metrics import MetricsLogger
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, universal_checkpoint_info, with_vocab
 from pretrain.model.pretrained import export_config, load_weights
-from pretrain.parallel import init_distributed
+from pretrain.distributed.parallel import init_distributed
 from pretrain.tasks import Example, get_task
 from tokenizer.spm import Tokenizer
 

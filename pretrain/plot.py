@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pretrain.figures import plot_panels
+from pretrain.experiments.figures import plot_panels
 
 DEFAULT_METRICS = ("loss", "eval_loss", "eval_accuracy")
 

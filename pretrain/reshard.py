@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume, usable_universal
-from pretrain.config import CheckpointConfig, UsageError
-from pretrain.progress import progress
+from pretrain.runtime.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume, usable_universal
+from pretrain.core.config import CheckpointConfig, UsageError
+from pretrain.core.progress import progress
 
 log = logging.getLogger("pretrain.reshard")
 

@@ -4,7 +4,7 @@
         [--gpu-memory-gb 80] [--gpu-tflops 989] [--mfu 0.4] [section.key=value ...]
 
 For each variant it builds the pretraining job's config from the arguments the study passes it
-(`pretrain.study.pretrain_args` of the variant's first cell) and runs the planner's checks on it
+(`pretrain.experiments.grid.pretrain_args` of the variant's first cell) and runs the planner's checks on it
 (`pretrain.plan`: the layout, the batch split, the memory per GPU) at nodes x gpus-per-node processes. It prints
 one line per variant (micro batch, memory, model FLOPs per step) and the grid's pretraining cost: model FLOPs x
 steps x seeds, in GPU-hours at the assumed MFU (model FLOPs utilisation) of --gpu-tflops. Exit 0 when every
@@ -16,12 +16,12 @@ import argparse
 import sys
 from typing import Sequence
 
-from pretrain.comm import GPU_TFLOPS
-from pretrain.config import Config, ConfigError, UsageError, load_config
-from pretrain.memory import GiB
+from pretrain.planning.comm import GPU_TFLOPS
+from pretrain.core.config import Config, ConfigError, UsageError, load_config
+from pretrain.planning.memory import GiB
 from pretrain.model.flops import flops_per_sequence
-from pretrain.plan import _resolved, check_job, check_memory
-from pretrain.study import Cell, StudyConfig, cells, check_study, pretrain_args
+from pretrain.planning.planner import _resolved, check_job, check_memory
+from pretrain.experiments.grid import Cell, StudyConfig, cells, check_study, pretrain_args
 
 
 def pretrain_config(cfg: StudyConfig, cell: Cell) -> Config:

@@ -2,12 +2,12 @@
 (torchrun with the jobs' exit codes; or `srun python -m pretrain.train ...`). `train` is the setup, top to bottom:
 process groups, checks, the run lock, tokenizer, checkpoint to resume, model (random, or from `init=` weights) and
 DeepSpeed engine, data (train stream and the fixed validation slice, both opened now), restore; then the shared
-loop (`pretrain.loop.run_loop`). Exit codes are in pretrain.faults.
+loop (`pretrain.runtime.loop.run_loop`). Exit codes are in pretrain.runtime.faults.
 """
 from __future__ import annotations
 
 if __name__ == "__main__":  # answer --help before the heavy imports below (torch, DeepSpeed, megatron: seconds)
-    from pretrain.cli import exit_on_help
+    from pretrain.core.cli import exit_on_help
     exit_on_help("Config", prog="pretrain.train")
 
 import dataclasses
@@ -21,20 +21,20 @@ import yaml
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume, write_atomic
-from pretrain.config import Config, parse_args, save_config, to_yaml
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume, write_atomic
+from pretrain.core.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards
-from pretrain.engine import build_engine, load_master_weights
-from pretrain.faults import run_with_exit_codes
-from pretrain.jobs import acquire_run_lock, check_precision, init_logging
-from pretrain.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
-from pretrain.metrics import MetricsLogger, peak_flops
+from pretrain.runtime.engine import build_engine, load_master_weights
+from pretrain.runtime.faults import run_with_exit_codes
+from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging
+from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
+from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
-from pretrain.parallel import ParallelDims, init_distributed
-from pretrain.plan import check_job, check_memory, with_layout
+from pretrain.distributed.parallel import ParallelDims, init_distributed
+from pretrain.planning.planner import check_job, check_memory, with_layout
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.train")
@@ -77,7 +77,7 @@ def start_from_init(model: torch.nn.Module, cfg: Config, dims: ParallelDims, run
 
 def train(cfg: Config) -> int:
     # 1. Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
-    #    (pretrain.plan.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory estimate
+    #    (pretrain.planning.planner.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory estimate
     #    against the device's memory), with the model's vocabulary resolved from the tokenizer first ------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)

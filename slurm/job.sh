@@ -35,9 +35,9 @@ export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))
 # step, whose job saves a checkpoint and exits with its "preempted" code; the job is then requeued (up to
 # MAX_RESTARTS restarts). `scontrol requeue` and scheduler preemption send TERM to the tasks directly; they
 # checkpoint the same way and SLURM requeues the job itself. Returns the step's exit code.
-EXIT_RESTARTS=4  # distinct from the jobs' codes (pretrain/faults.py: 0, 1, 2, 3, 75)
-# read, not imported: importing pretrain.faults would load torch and megatron for one number
-EXIT_PREEMPTED=$(sed -n 's/^EXIT_PREEMPTED = \([0-9]*\).*/\1/p' pretrain/faults.py)
+EXIT_RESTARTS=4  # distinct from the jobs' codes (pretrain/runtime/faults.py: 0, 1, 2, 3, 75)
+# read, not imported: importing pretrain.runtime.faults would load torch and megatron for one number
+EXIT_PREEMPTED=$(sed -n 's/^EXIT_PREEMPTED = \([0-9]*\).*/\1/p' pretrain/runtime/faults.py)
 source slurm/step_exit.sh
 run_requeueable() {
   local module=$1 restarts=${SLURM_RESTART_COUNT:-0} signalled="" step reader rc

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import DataConfig
+from pretrain.core.config import DataConfig
 from pretrain.data import fetch as fetch_module
 from pretrain.data.documents import expand_glob
 from pretrain.data.prepare import prepare

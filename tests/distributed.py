@@ -44,7 +44,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, 
     except BaseException:  # report everything, including SystemExit, to the test process
         results.put((rank, False, traceback.format_exc()))
     finally:
-        from pretrain.parallel import destroy_distributed
+        from pretrain.distributed.parallel import destroy_distributed
 
         destroy_distributed()
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from megatron.core import ModelParallelConfig
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model.attention import SelfAttention, parse_mixers
 from pretrain.model.synthesizer import build_synthesizer, factor_pair
-from pretrain.parallel import init_single_process
+from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
                   max_length=16, factorized_k=3)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint import CheckpointManager, Progress, RunInputs, check_same_model, find_resume
-from pretrain.config import CheckpointConfig, ModelConfig, UsageError
-from pretrain.manifest import COMPLETE, complete_steps, describe, missing_parts, write_marker
-from pretrain.metrics import MetricsLogger
-from pretrain.run_lock import RunLock
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, check_same_model, find_resume
+from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
+from pretrain.core.manifest import COMPLETE, complete_steps, describe, missing_parts, write_marker
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.run_lock import RunLock
 from tests.distributed import run_distributed
 
 
@@ -209,7 +209,7 @@ def test_a_metrics_file_cut_by_a_crash_does_not_block_the_resume(tmp_path):
 _HOLD = """
 import sys, time
 from pathlib import Path
-from pretrain.run_lock import RunLock
+from pretrain.runtime.run_lock import RunLock
 from tests.distributed import run_distributed
 RunLock(Path(sys.argv[1])).acquire()
 print("held", flush=True)
@@ -236,9 +236,9 @@ def test_the_run_lock_refuses_a_second_job_and_takes_over_a_dead_ones(tmp_path, 
 
 
 def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_path):
-    from pretrain.checkpoint import prepare_resume
-    from pretrain.config import Config, to_yaml
-    from pretrain.parallel import ParallelDims
+    from pretrain.runtime.checkpoint import prepare_resume
+    from pretrain.core.config import Config, to_yaml
+    from pretrain.distributed.parallel import ParallelDims
 
     path = _checkpoint(tmp_path / "run" / "checkpoints", 100)
     (path / "trainer_state.json").write_text(json.dumps({"step": 100, "tokens_seen": 0, "skipped_steps": 0,
@@ -259,11 +259,11 @@ def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dic
     the resume restored, and the refusal once no checkpoint is intact."""
     import torch
 
-    from pretrain.checkpoint import prepare_resume
-    from pretrain.config import Config, ParallelConfig, load_config, to_yaml
-    from pretrain.engine import build_engine
+    from pretrain.runtime.checkpoint import prepare_resume
+    from pretrain.core.config import Config, ParallelConfig, load_config, to_yaml
+    from pretrain.runtime.engine import build_engine
     from pretrain.model import build_model, universal_checkpoint_info
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     cfg = load_config(Config, "configs/tiny.yaml")
     dims = init_distributed(ParallelConfig(), seed=3)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pretrain.config import Config
+from pretrain.core.config import Config
 
 # `python -m JOB --help`, reporting afterwards whether torch was imported
 RUN_AS_MAIN = """

@@ -1,6 +1,6 @@
 """What one training step costs besides compute, through the real engine with the shipped size-config recipe
 (bf16, ZeRO 2 with overlapped buckets, fused AdamW in two groups; and ZeRO 1) at tiny dimensions, 2 gloo ranks, a
-few steps: its collectives against the planner's estimate (pretrain.comm), whether each is issued while the
+few steps: its collectives against the planner's estimate (pretrain.planning.comm), whether each is issued while the
 backward runs (overlapped) or after it, and its host synchronisations; the planner's exposed share of the
 shipped configs."""
 from __future__ import annotations
@@ -44,14 +44,14 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
         setattr(dist, name, wrapped)
         setattr(c10d, name, wrapped)
 
-    from pretrain.config import Config, load_config
+    from pretrain.core.config import Config, load_config
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pretrain.engine import build_engine
-    from pretrain.faults import PreemptionFlag
-    from pretrain.loop import train_step
+    from pretrain.runtime.engine import build_engine
+    from pretrain.runtime.faults import PreemptionFlag
+    from pretrain.runtime.loop import train_step
     from pretrain.model import build_model
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     cfg = load_config(Config, "configs/small.yaml", overrides)
     dims = init_distributed(cfg.parallel, seed=1)
@@ -78,7 +78,7 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
     train_step(engine, stream, 1, dims)  # the first step allocates; counted from the second
     counting[0] = True
     with HostSyncs():
-        for _ in range(steps):  # what pretrain.loop.run_loop does between log steps
+        for _ in range(steps):  # what pretrain.runtime.loop.run_loop does between log steps
             result = train_step(engine, stream, 1, dims, preemption)
             assert result.applied and not result.preempted
     counting[0] = False
@@ -101,10 +101,10 @@ def test_collectives_per_step_are_the_planners(counted):
     embedding's gradient after it; at ZeRO 1 (BF16_Optimizer) one fp32 all-reduce of all gradients after the
     backward. Then one bf16 all-gather of the weights per parameter group (one call each here: far under the
     bucket sizes). Calls, bytes (within 1%: DeepSpeed pads the flat partitions for alignment) and the
-    overlapped/exposed split are pretrain.comm's; besides them DeepSpeed's scalars (the norm) and the loop's one
+    overlapped/exposed split are pretrain.planning.comm's; besides them DeepSpeed's scalars (the norm) and the loop's one
     all-reduce of two numbers (the loss and the preemption flag), none per parameter."""
-    from pretrain.comm import estimate_comm
-    from pretrain.config import Config, load_config
+    from pretrain.planning.comm import estimate_comm
+    from pretrain.core.config import Config, load_config
 
     stage, results = counted
     steps, overrides = STEPS, [*TINY, f"zero.stage={stage}", "zero.reduce_bucket_size=60000"]
@@ -130,7 +130,7 @@ def test_collectives_per_step_are_the_planners(counted):
             assert [c.overlapped for c in planned] == [False] and len(after) == len(gradients) == planned[0].calls
         else:
             # issued in the backward's gradient hooks, in buckets (a gradient larger than one alone: the LM head
-            # first, the embedding last), not one per parameter; pretrain.comm counts full buckets, DeepSpeed
+            # first, the embedding last), not one per parameter; pretrain.planning.comm counts full buckets, DeepSpeed
             # flushes one when the next gradient does not fit: a few more calls
             overlapped, last = planned
             assert overlapped.overlapped and not last.overlapped and result["side_stream"]
@@ -152,7 +152,7 @@ def test_host_syncs_per_step(counted):
     """bf16 at ZeRO 2 (as shipped) and ZeRO 1, per step: the step-skip agreement (a test of the global gradient
     norm, reduced over DP and TP), which the preemption flag, copied to the host beside it, rides on; nothing else
     waits for the device. DeepSpeed's own ZeRO 2 step waits 4 times (its overflow flag's .item(), an invalid-norm
-    test before the update and one per group before clipping): pretrain.engine turns its check off, tests the norm
+    test before the update and one per group before clipping): pretrain.runtime.engine turns its check off, tests the norm
     once and clips on the device (BF16_Optimizer's clipping branched on the norm too)."""
     stage, results = counted
     assert [result["syncs"] for result in results] == [STEPS] * 2

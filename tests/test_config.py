@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pretrain.config import Config, ConfigError, load_config, parse_args, save_config
+from pretrain.core.config import Config, ConfigError, load_config, parse_args, save_config
 
 TINY = "configs/tiny.yaml"
 
@@ -111,7 +111,7 @@ def test_config_flag_with_equals_sign():
 
 
 def test_cli_error_has_no_traceback():
-    code = "from pretrain.config import Config, parse_args; parse_args(Config, ['--config', 'configs/tiny.yaml', 'model.bogus=1'], prog='x')"
+    code = "from pretrain.core.config import Config, parse_args; parse_args(Config, ['--config', 'configs/tiny.yaml', 'model.bogus=1'], prog='x')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "x: error: unknown config key 'model.bogus'"

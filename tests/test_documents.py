@@ -3,8 +3,6 @@ damaged record: counted and skipped, or, for a file that cannot be read at all, 
 from __future__ import annotations
 
 import gzip
-import json
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.documents import block_text, write_formats
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.documents import BAD_KINDS, Document, InputLayout, expand_glob, read_documents
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pretrain.config import TrainConfig, UsageError, ZeroConfig
-from pretrain.engine import build_deepspeed_config, num_accumulation_steps, param_groups
-from pretrain.schedule import build_scheduler, lr_factor
+from pretrain.core.config import TrainConfig, UsageError, ZeroConfig
+from pretrain.runtime.engine import build_deepspeed_config, num_accumulation_steps, param_groups
+from pretrain.runtime.schedule import build_scheduler, lr_factor
 
 
 def test_batch_arithmetic_and_message():
@@ -31,7 +31,7 @@ def test_deepspeed_config_follows_ours():
     # bf16 with ZeRO: gradients accumulate and reduce in fp32
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    # bf16 at ZeRO 2: clipping and the step-skip check are pretrain.engine's, on the device (one host sync a step)
+    # bf16 at ZeRO 2: clipping and the step-skip check are pretrain.runtime.engine's, on the device (one host sync a step)
     assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["check_grad_overflow"] is False
     assert ds["checkpoint"]["load_universal"] is True
     fp32 = build_deepspeed_config(train, ZeroConfig(stage=2), "fp32", dp=4)
@@ -107,7 +107,7 @@ def test_scheduler_drives_optimizer_lr_and_rejects_unknown():
 
 
 def test_weight_decay_reaches_matrices_only():
-    from pretrain.config import ModelConfig
+    from pretrain.core.config import ModelConfig
     from pretrain.model import build_local_model
 
     cfg = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1,
@@ -137,21 +137,21 @@ def test_weight_decay_reaches_matrices_only():
 
 def _clipped_weights(rank: int, world: int, ours: bool, stage: int, inf_at: int | None = None) -> list:
     """A tiny bf16 engine at ZeRO `stage` (1: BF16_Optimizer, 2: DeepSpeedZeroOptimizer), DP `world`, after three
-    steps clipped hard (grad_clip 1e-3): with pretrain.engine's clipping and skip check on the device (`ours`), or
+    steps clipped hard (grad_clip 1e-3): with pretrain.runtime.engine's clipping and skip check on the device (`ours`), or
     with DeepSpeed's own (gradient_clipping and bf16.check_grad_overflow in its config). With `inf_at`, rank 0's
     gradients are infinite at that step: it must be skipped everywhere. The fp32 master partitions, and the steps
     applied."""
-    import pretrain.engine
-    from pretrain.config import Config, ParallelConfig, load_config
+    import pretrain.runtime.engine
+    from pretrain.core.config import Config, ParallelConfig, load_config
     from pretrain.model import build_model
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     if not ours:
-        pretrain.engine._clips_on_device = pretrain.engine._skips_on_norm = lambda precision, stage: False
+        pretrain.runtime.engine._clips_on_device = pretrain.runtime.engine._skips_on_norm = lambda precision, stage: False
     cfg = load_config(Config, "configs/tiny.yaml", [f"zero.stage={stage}", "zero.reduce_bucket_size=20000"])
     init_distributed(ParallelConfig(), seed=3)
     train = dataclasses.replace(cfg.train, micro_batch=2, global_batch=2 * world, grad_clip=1e-3, warmup_steps=0)
-    engine = pretrain.engine.build_engine(build_model(cfg.model), train, cfg.zero, "bf16", world)
+    engine = pretrain.runtime.engine.build_engine(build_model(cfg.model), train, cfg.zero, "bf16", world)
     ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(rank))
     applied = []
     for step in range(3):

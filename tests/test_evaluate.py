@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import ModelConfig
-from pretrain.evaluate import encode_inputs, evaluate_task, input_limit, predict
+from pretrain.core.config import ModelConfig
+from pretrain.transfer.evaluation import encode_inputs, evaluate_task, input_limit, predict
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.tasks import get_task
 from tests.distributed import run_distributed
@@ -54,7 +54,7 @@ def test_every_path_runs_with_the_model_on_the_meta_device(tmp_path, tokenizer_m
 
 def test_evaluate_job_runs_on_the_requested_device(tmp_path, tokenizer_model):
     from pretrain.evaluate import main
-    from pretrain.export import write_export
+    from pretrain.transfer.exporting import write_export
 
     export = write_export(build_local_model(CFG), Path(tokenizer_model), tmp_path / "export")
     folder = sst2_folder(tmp_path / "glue")
@@ -73,7 +73,7 @@ def test_synthesized_encoder_truncates_long_inputs_once(tmp_path, tokenizer_mode
     capped = predict(model, tokenizer, task, examples, "both", batch_size=2, max_input_length=128)
     again = predict(model, tokenizer, task, examples, "both", batch_size=2, max_input_length=128)
     assert capped == again == predict(model, tokenizer, task, examples, "both", 2, max_input_length=CFG.max_length)
-    assert [r.getMessage()[:36] for r in caplog.records if r.name == "pretrain.progress"][:2] == [
+    assert [r.getMessage()[:36] for r in caplog.records if r.name == "pretrain.core.progress"][:2] == [
         "sst2 both: batches:   0%|          |", "sst2 both: batches: 100%|##########|"]  # 3 batches, progress
     said = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
     assert said == ["inputs are truncated to 16 tokens, the model.max_length of its synthesized encoder attention "
@@ -86,10 +86,10 @@ def decoding_steps(model, tokenizer: Tokenizer, rows: list[int]) -> int:
 
 
 def _zero3_evaluate(rank, world, state, cfg, folder, tokenizer_model):
-    from pretrain.config import ParallelConfig, TrainConfig, ZeroConfig
-    from pretrain.engine import build_engine
+    from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
+    from pretrain.runtime.engine import build_engine
     from pretrain.model import build_model
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     # a rank that runs a forward the other does not waits in ZeRO-3's parameter all-gather: fail in 60 s, not hang
     init_distributed(ParallelConfig(tensor=1, backend="gloo", timeout_s=60), seed=0)

@@ -14,10 +14,10 @@ import torch
 import yaml
 from transformers import AutoModelForSeq2SeqLM
 
-from pretrain.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
-from pretrain.export import CheckpointError, export, load_pretrained, write_export
-from pretrain.faults import EXIT_USAGE
-from pretrain.manifest import describe
+from pretrain.core.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
+from pretrain.transfer.exporting import CheckpointError, export, load_pretrained, write_export
+from pretrain.runtime.faults import EXIT_USAGE
+from pretrain.core.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.model.attention import MIXERS
 from tests.distributed import disk_full, launch_like_srun, run_distributed
@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precision):
     """One real optimizer step through the DeepSpeed engine, then a checkpoint; returns the gathered weights."""
-    from pretrain.checkpoint import CheckpointManager, Progress, RunInputs
-    from pretrain.engine import build_engine
+    from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
+    from pretrain.runtime.engine import build_engine
     from pretrain.model import build_model, universal_checkpoint_info
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     dims = init_distributed(ParallelConfig(tensor=tp), seed=3)
     model = build_model(model_cfg)
@@ -148,7 +148,7 @@ def test_the_per_parameter_reader_equals_deepspeeds_consolidation(tmp_path, save
     # files whole (it cannot read BF16_Optimizer's files: those are checked against the trained weights above)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from pretrain.export import _tp_rank_state, _weights_only
+    from pretrain.transfer.exporting import _tp_rank_state, _weights_only
 
     run_dir, _, _, precision = saved_run
     if precision == "bf16":
@@ -264,9 +264,9 @@ def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, sav
 _EXPORT_TINY = """
 import sys
 from pathlib import Path
-from pretrain.config import Config, load_config
-from pretrain.export import write_export
-from pretrain.faults import run_with_exit_codes
+from pretrain.core.config import Config, load_config
+from pretrain.transfer.exporting import write_export
+from pretrain.runtime.faults import run_with_exit_codes
 from pretrain.model import build_local_model
 model = build_local_model(load_config(Config, "configs/tiny.yaml").model)
 sys.exit(run_with_exit_codes(lambda: write_export(model, Path(sys.argv[1]), Path(sys.argv[2])), "pretrain.export"))

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.data.stream import collate
 from pretrain.model import build_local_model, build_model
 from pretrain.model.t5 import checkpointing_mode
-from pretrain.parallel import init_single_process
+from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
@@ -149,8 +149,8 @@ def test_compiled_layers_equal_eager():
 def _graphs_and_breaks(rank: int = 0, world: int = 1) -> dict[str, tuple[int, int, list[str]]]:
     """dynamo's graphs and breaks over one forward of an encoder and a decoder layer (vanilla and a mixture) at
     TP = world."""
-    from pretrain.config import ParallelConfig
-    from pretrain.parallel import init_distributed
+    from pretrain.core.config import ParallelConfig
+    from pretrain.distributed.parallel import init_distributed
 
     if world > 1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as a GPU job sets it (else megatron warns: a break)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch import run as launch_run
-from pretrain.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
+from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.distributed import _free_port, launch_like_srun, run_distributed
 from tests.test_train import COMMON, REPO, TINY, data_overrides
 
@@ -25,7 +25,7 @@ PEER_LINE = "another rank failed first"
 
 _AFTER_TWO_STEPS = """
 import multiprocessing, os, signal, sys
-from pretrain import loop
+from pretrain.runtime import loop
 original, count = loop.train_step, [0]
 def train_step(*args, **kwargs):
     result = original(*args, **kwargs)
@@ -140,8 +140,8 @@ def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pretrain.config import ParallelConfig
-    from pretrain.parallel import init_distributed
+    from pretrain.core.config import ParallelConfig
+    from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=tensor, timeout_s=20), seed=0)
     group = parallel_state.get_tensor_model_parallel_group() if tensor == 2 else \

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import Config, load_config
-from pretrain.export import load_pretrained, write_export
+from pretrain.core.config import Config, load_config
+from pretrain.transfer.exporting import load_pretrained, write_export
 from pretrain.finetune import ExampleStream, collate
 from pretrain.model import IGNORE_INDEX, build_local_model, full_state_dict
 from pretrain.model.pretrained import export_config
-from pretrain.faults import EXIT_PREEMPTED
+from pretrain.runtime.faults import EXIT_PREEMPTED
 from tests.distributed import run_distributed
 
 TINY = load_config(Config, "configs/tiny.yaml")
@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _start_at_tp2(rank, world, export_dir):
     from megatron.core import parallel_state
 
-    from pretrain.config import ParallelConfig
+    from pretrain.core.config import ParallelConfig
     from pretrain.finetune import build_from_export
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=2), seed=0)
     model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=True).eval()
@@ -69,10 +69,10 @@ def _master_weights(rank, world, export_dir):
     """Per ZeRO stage, the bf16 engine's fp32 master weights right after fine-tuning's start-up (DP 2)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from pretrain.config import ParallelConfig, TrainConfig, ZeroConfig
-    from pretrain.engine import build_engine, load_master_weights
+    from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
+    from pretrain.runtime.engine import build_engine, load_master_weights
     from pretrain.finetune import build_from_export
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(backend="gloo"), seed=0)
     masters = {}
@@ -150,8 +150,8 @@ def _finetune_chain(rank, world, runs):
     after the run's second step. Returns the exit codes."""
     import signal
 
-    from pretrain import loop
-    from pretrain.config import load_config
+    from pretrain.runtime import loop
+    from pretrain.core.config import load_config
     from pretrain.finetune import FinetuneConfig, finetune
 
     codes = []

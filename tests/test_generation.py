@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import T5ForConditionalGeneration
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model import build_local_model, full_state_dict, generate_greedy
 from pretrain.model.hf_convert import hf_config, to_hf_state_dict
 from tests.test_hf_parity import randomize_constant_parameters

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import T5ForConditionalGeneration
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model import build_local_model, full_state_dict, load_full_state_dict
 from pretrain.model.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 

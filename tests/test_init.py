@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import T5ForConditionalGeneration
 
-from pretrain.config import Config, load_config
-from pretrain.export import export
+from pretrain.core.config import Config, load_config
+from pretrain.transfer.exporting import export
 from pretrain.model import build_local_model, full_state_dict
 from pretrain.model.hf_convert import hf_config
 from pretrain.model.pretrained import weight_files
@@ -114,7 +114,7 @@ def test_a_requeued_run_resumes_its_own_checkpoint_not_init(init_runs):
 
 
 def test_init_folders_of_another_function_or_vocabulary_are_refused(tmp_path, tokenizer_model):
-    from pretrain.config import UsageError
+    from pretrain.core.config import UsageError
     from pretrain.model.pretrained import check_init_folder
 
     folder = _hf_folder(tmp_path / "hf")

@@ -23,7 +23,7 @@ import torch
 
 from webdataset import TarWriter
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.documents import expand_glob
 from pretrain.data.loader import _SETTING_KEYS, build_eval_loader, build_train_loader
 from pretrain.data.prepare import prepare

@@ -9,7 +9,7 @@ import torch
 import torch.utils.benchmark as benchmark
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pretrain.metrics import MetricsLogger, gpu_peak_flops, measured_matmul_flops
+from pretrain.runtime.metrics import MetricsLogger, gpu_peak_flops, measured_matmul_flops
 
 
 def read_tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import Config, load_config
-from pretrain.export import write_export
+from pretrain.core.config import Config, load_config
+from pretrain.transfer.exporting import write_export
 from pretrain.model import build_local_model
 from pretrain.tasks import get_task
 from pretrain.tasks.pair import pair_input

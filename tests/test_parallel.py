@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.config import ModelConfig, ParallelConfig, UsageError
-from pretrain.parallel import check_parallel, padded_vocab_size
+from pretrain.core.config import ModelConfig, ParallelConfig, UsageError
+from pretrain.distributed.parallel import check_parallel, padded_vocab_size
 from tests.distributed import run_distributed
 
 
@@ -41,8 +41,8 @@ def test_check_parallel_names_both_values(changes, tp, world, needle):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_any_tp_dividing_the_heads_takes_the_t5_vocabulary(tp):
     # the vocabulary is ids; the model pads its rows, so no vocab_size has to be chosen per TP
-    from pretrain.config import Config, load_config
-    from pretrain.plan import check_job
+    from pretrain.core.config import Config, load_config
+    from pretrain.planning.planner import check_job
 
     cfg = load_config(Config, "configs/xl.yaml", [f"parallel.tensor={tp}", "model.vocab_size=32100"])
     layout = check_job(cfg, world=8)
@@ -79,7 +79,7 @@ def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Te
     from megatron.core import parallel_state
 
     from pretrain.model import build_model, full_state_dict
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=tp), seed=7)
     torch.manual_seed(7)
@@ -122,7 +122,7 @@ def layout_report(dims, seed: int) -> dict:
 
     from megatron.core import parallel_state, tensor_parallel
 
-    from pretrain.parallel import deepspeed_mpu
+    from pretrain.distributed.parallel import deepspeed_mpu
 
     mpu = deepspeed_mpu()
     default_draw = torch.rand(3)
@@ -162,7 +162,7 @@ def assert_tp2_dp2_layout(out: list[dict]) -> None:
 
 
 def test_init_distributed_rejects_world_not_multiple_of_tp(monkeypatch):
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -173,7 +173,7 @@ def test_init_distributed_rejects_world_not_multiple_of_tp(monkeypatch):
 
 def _train_tiny(rank: int, world: int, run_dir: str, shards, config: str = "configs/tiny.yaml",
                 extra: tuple[str, ...] = ()) -> int:
-    from pretrain.config import Config, load_config
+    from pretrain.core.config import Config, load_config
     from pretrain.train import train
 
     return train(load_config(Config, config, [
@@ -266,8 +266,8 @@ def test_building_on_the_device_puts_nothing_of_the_model_on_the_host(encoder, d
     # the trainer builds on its GPU (device=dims.device); on `meta` every tensor that would land on the host
     # instead is seen: xxl at its TP 8 (1.4 B parameters per shard, 44 GB of fp32 for the full model) must not
     # draw one parameter, nor a shard of one, on the CPU
-    from pretrain.config import Config, load_config
-    from pretrain.memory import tp_shapes
+    from pretrain.core.config import Config, load_config
+    from pretrain.planning.memory import tp_shapes
     from pretrain.model import build_model
 
     cfg = load_config(Config, "configs/xxl.yaml", ["model.vocab_size=32100", f"model.encoder_attention={encoder}",

@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pretrain.config import Config, load_config
-from pretrain.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
+from pretrain.core.config import Config, load_config
+from pretrain.planning.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
 from pretrain.model import build_local_model, build_model
-from pretrain.parallel import init_single_process, padded_vocab_size
-from pretrain.plan import check_job, main
+from pretrain.distributed.parallel import init_single_process, padded_vocab_size
+from pretrain.planning.planner import check_job
+from pretrain.plan import main
 from tests.distributed import run_distributed
 
 SMALL = ["model.vocab_size=1100", "model.d_model=64", "model.d_kv=16", "model.num_heads=4", "model.d_ff=128",
@@ -67,9 +68,9 @@ def _zero_states(rank: int, world: int) -> list[tuple[str, int, int, dict[str, i
     """bench.zero_memory's measurement of a real engine at DP `world`: fp32 at ZeRO 0-3, bf16 at ZeRO 0-2 (the
     precision of the cluster, over gloo on CPU); with the parameter count."""
     from bench.zero_memory import MODEL_OVERRIDES, _measure
-    from pretrain.config import ParallelConfig
-    from pretrain.engine import build_engine
-    from pretrain.parallel import init_distributed
+    from pretrain.core.config import ParallelConfig
+    from pretrain.runtime.engine import build_engine
+    from pretrain.distributed.parallel import init_distributed
 
     cfg = load_config(Config, "configs/tiny.yaml", MODEL_OVERRIDES)
     init_distributed(ParallelConfig(tensor=1), cfg.run.seed)
@@ -172,7 +173,7 @@ def test_trainer_side_check_leaves_the_real_process_groups_alone():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pretrain.plan import check_memory
+    from pretrain.planning.planner import check_memory
 
     init_single_process()  # a launched process: real groups (TP 1) exist
     group, all_reduce = parallel_state.get_tensor_model_parallel_group(), dist.all_reduce

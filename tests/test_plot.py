@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.image
 
-from pretrain.metrics import MetricsLogger
+from pretrain.runtime.metrics import MetricsLogger
 from pretrain.plot import main, read_runs
 
 REPO = Path(__file__).resolve().parents[1]

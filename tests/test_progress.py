@@ -1,11 +1,11 @@
 """Progress lines as they appear in a log file (stderr not a terminal, as under pytest and SLURM)."""
 import logging
 
-from pretrain.progress import progress
+from pretrain.core.progress import progress
 
 
 def test_log_lines_count_every_item_and_end_at_the_total(caplog):
-    caplog.set_level(logging.INFO, logger="pretrain.progress")
+    caplog.set_level(logging.INFO, logger="pretrain.core.progress")
     items = list(progress(range(7), desc="sst2 generate", every_s=0.0))
     assert items == list(range(7))
     lines = [r.getMessage() for r in caplog.records]
@@ -16,6 +16,6 @@ def test_log_lines_count_every_item_and_end_at_the_total(caplog):
 
 
 def test_disabled_ranks_print_nothing(caplog):
-    caplog.set_level(logging.INFO, logger="pretrain.progress")
+    caplog.set_level(logging.INFO, logger="pretrain.core.progress")
     assert list(progress(iter("abc"), desc="x", enabled=False)) == ["a", "b", "c"]
     assert caplog.records == []

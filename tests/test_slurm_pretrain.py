@@ -25,7 +25,7 @@ from typing import Iterator
 
 import pytest
 
-from pretrain.faults import EXIT_PREEMPTED
+from pretrain.runtime.faults import EXIT_PREEMPTED
 from tests.conftest import PreparedData
 from tests.slurm_cluster import TERMINAL_STATES, SlurmCluster
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.data.remote import redact
+from pretrain.core.redact import redact
 from pretrain.data.shards import read_packs
 from pretrain.data.stream import StreamSpec, _read_checked
 

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pretrain.config import ModelConfig
-from pretrain.figures import attention_maps, heatmap, mixture_grids, synthesizer_images, synthesizer_matrices
-from pretrain.metrics import MetricsLogger
+from pretrain.core.config import ModelConfig
+from pretrain.runtime.pictures import attention_maps, heatmap, mixture_grids, synthesizer_images, synthesizer_matrices
+from pretrain.runtime.metrics import MetricsLogger
 from pretrain.model import build_local_model
 
 TINY = ModelConfig(vocab_size=256, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=1,

@@ -8,10 +8,10 @@ import itertools
 import torch
 import yaml
 
-from pretrain.config import Config, load_config
+from pretrain.core.config import Config, load_config
 from pretrain.data.loader import build_train_loader
 from pretrain.model import build_local_model
-from pretrain.study import StudyConfig, cells, pretrain_args
+from pretrain.experiments.grid import StudyConfig, cells, pretrain_args
 from tests.conftest import PreparedData
 
 SPECS = ["vanilla", "random", "random+vanilla", "dense+vanilla"]

@@ -24,9 +24,9 @@ def test_rebuilt_initialisation_equals_a_run_that_did_not_move(tmp_path: Path, s
     import torch
     from safetensors.torch import load_file
 
-    from pretrain.figures import synthesizer_matrices
+    from pretrain.runtime.pictures import synthesizer_matrices
     from pretrain.model.pretrained import export_config
-    from pretrain.study_movement import initial_model
+    from pretrain.experiments.movement import initial_model
 
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump({
@@ -52,7 +52,7 @@ def test_rebuilt_initialisation_equals_a_run_that_did_not_move(tmp_path: Path, s
 
 def _write_cell(cell: Path, row: dict, model, spiece: Path) -> None:
     """A finished cell's files as the study writes them: cell.json, metrics.jsonl (two records), export/."""
-    from pretrain.export import write_export
+    from pretrain.transfer.exporting import write_export
 
     cell.mkdir(parents=True)
     (cell / "cell.json").write_text(json.dumps({k: v for k, v in row.items() if not k.startswith("moved/")}))
@@ -73,9 +73,9 @@ def hand_study(tmp_path_factory, shards: PreparedData) -> Path:
 
     import torch
 
-    from pretrain.config import ModelConfig
+    from pretrain.core.config import ModelConfig
     from pretrain.study import main as study_main
-    from pretrain.study_movement import initial_model
+    from pretrain.experiments.movement import initial_model
     from tests.test_study_stats import hand_rows
 
     root = tmp_path_factory.mktemp("hand") / "study"

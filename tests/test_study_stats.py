@@ -8,7 +8,7 @@ import math
 import pytest
 from scipy import stats
 
-from pretrain.study_stats import (CONTRADICTS, SUPPORTS, UNKNOWN, Interval, above, below, paired, ratio, t_interval,
+from pretrain.experiments.stats import (CONTRADICTS, SUPPORTS, UNKNOWN, Interval, above, below, paired, ratio, t_interval,
                                   verdicts, within)
 
 T_975_2 = 4.302652729749462  # Student's t, 97.5 % quantile, 2 degrees of freedom (tables: 4.303)

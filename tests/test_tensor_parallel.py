@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.core.config import ModelConfig, ParallelConfig
 from pretrain.model import build_local_model, build_model, full_state_dict, generate_greedy
 from pretrain.model import universal_checkpoint_info
 from tests.distributed import run_distributed
@@ -55,7 +55,7 @@ def _step(model, seed: int):
 
 
 def _tp_worker(rank: int, world: int, variants) -> tuple[dict | None, list]:
-    from pretrain.parallel import init_distributed
+    from pretrain.distributed.parallel import init_distributed
 
     dims = init_distributed(ParallelConfig(tensor=2, timeout_s=120), seed=0)
     layout = layout_report(dims, seed=0) if world == 4 else None

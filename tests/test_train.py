@@ -18,8 +18,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pretrain.config import Config, load_config
-from pretrain.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
+from pretrain.core.config import Config, load_config
+from pretrain.runtime.faults import EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
 
@@ -54,9 +54,9 @@ def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str
     through `main` (which then tears the process group down: it must come last); "sigterm" sends SIGTERM to
     rank 1 itself after its second step.
     """
-    from pretrain import loop as loop_module
+    from pretrain.runtime import loop as loop_module
     from pretrain import train as train_module
-    from pretrain.config import UsageError
+    from pretrain.core.config import UsageError
 
     codes = []
     for run_dir, overrides, fault in runs:
@@ -288,7 +288,7 @@ def data_overrides_of(run_dir: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------------------
 _HALF_WRITTEN = """
 import os, signal, sys
-from pretrain import checkpoint
+from pretrain.runtime import checkpoint
 original = checkpoint._save_torch
 def save(obj, path):  # rank 1 dies with its data-position file half written
     original(obj, path)

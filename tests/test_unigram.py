@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.loader import build_eval_loader
 from pretrain.data.unigram import main, unigram_baseline
 from tests.conftest import PreparedData
@@ -57,9 +57,10 @@ def test_a_config_without_validation_data_is_one_line(capsys):
 
 
 def test_the_study_writes_the_baseline_of_its_pretraining_slice(shards: PreparedData, tmp_path):
-    from pretrain.config import Config, load_config
+    from pretrain.core.config import Config, load_config
     from pretrain.data.unigram import eval_baseline
-    from pretrain.study import StudyConfig, write_baseline
+    from pretrain.experiments.grid import StudyConfig
+    from pretrain.experiments.runner import write_baseline
 
     overrides = ["train.global_batch=4", "eval.batches=5", "data.input_length=32"]
     study = load_config(StudyConfig, None, [f"study.dir={tmp_path}", "data.fetch=false", f"data.train={shards.train}",

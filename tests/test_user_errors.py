@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import Config, ConfigError, UsageError, load_config, to_yaml
+from pretrain.core.config import Config, ConfigError, UsageError, load_config, to_yaml
 from pretrain.data.prepare import prepare
-from pretrain.faults import EXIT_FAILED, EXIT_USAGE, run_with_exit_codes
-from pretrain.run_lock import RunLock
+from pretrain.runtime.faults import EXIT_FAILED, EXIT_USAGE, run_with_exit_codes
+from pretrain.runtime.run_lock import RunLock
 from tokenizer.spm import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_credentials_in_shard_urls_do_not_reach_the_saved_config():
 def test_half_precision_without_a_gpu_needs_an_explicit_cpu_backend():
     import torch
 
-    from pretrain.jobs import check_precision
+    from pretrain.runtime.jobs import check_precision
 
     cpu = torch.device("cpu")
     with pytest.raises(UsageError, match=r"precision bf16 without CUDA: this job found no GPU .*parallel.backend=gloo"):

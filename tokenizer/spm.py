@@ -11,7 +11,7 @@ from typing import Sequence
 
 import sentencepiece as spm
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 NUM_SENTINELS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2

@@ -19,7 +19,7 @@ from typing import Iterator
 import sentencepiece as spm
 from tqdm import tqdm
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.documents import InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents
 from tokenizer.spm import EOS_ID, PAD_ID, UNK_ID, Tokenizer
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 log = logging.getLogger(__name__)
 

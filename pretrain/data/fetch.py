@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.documents import train_name, validation_name, write_documents
 
 log = logging.getLogger(__name__)

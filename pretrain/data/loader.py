@@ -23,12 +23,12 @@ from typing import Iterator
 from torch.utils.data import DataLoader
 
 from launch.env import die_with_parent
-from pretrain.config import DataConfig, UsageError
-from pretrain.data.remote import redact
+from pretrain.core.config import DataConfig, UsageError
+from pretrain.core.redact import redact
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, WorkerRows, collate, examples, start_position
-from pretrain.faults import PREEMPTION_SIGNALS
+from pretrain.runtime.faults import PREEMPTION_SIGNALS
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 from webdataset import TarWriter
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.documents import (
     BAD_KINDS, Document, InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents,
 )

@@ -15,12 +15,12 @@ import base64
 import http.client
 import io
 import logging
-import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import IO
+from pretrain.core.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +28,8 @@ RETRIES = 6  # consecutive failures tolerated; waits of 1, 2, 4, 8, 16, 32 s rid
 BACKOFF_S = 1.0
 TIMEOUT_S = 60  # per connection attempt and per read
 TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
-_URL = re.compile(r"(https?://)([^/\s?#@]*@)?([^\s?#]*)(\?[^\s#]*)?")
 
 
-def redact(text: str) -> str:
-    """`text` with the user info and the query values of every http(s) URL in it replaced by `***`."""
-    def hide(m: re.Match) -> str:
-        scheme, userinfo, rest, query = m.groups()
-        if query:  # a value already hidden keeps what follows it (text after the URL): redact is idempotent
-            query = "?" + "&".join(k + sep + (v if v.startswith("***") else "***" if sep else "")
-                                   for k, sep, v in (p.partition("=") for p in query[1:].split("&")))
-        return scheme + ("***@" if userinfo else "") + rest + (query or "")
-    return _URL.sub(hide, text)
 
 
 def open_http(url: str) -> IO[bytes]:

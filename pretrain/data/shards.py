@@ -31,7 +31,7 @@ import numpy as np
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.remote import open_http
 
 log = logging.getLogger(__name__)

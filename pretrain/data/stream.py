@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from pretrain.config import UsageError
-from pretrain.data.remote import redact
+from pretrain.core.config import UsageError
+from pretrain.core.redact import redact
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
 

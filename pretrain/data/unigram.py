@@ -21,9 +21,9 @@ from typing import Iterable
 
 import torch
 
-from pretrain.config import Config, UsageError, load_config
+from pretrain.core.config import Config, UsageError, load_config
 from pretrain.data.loader import build_eval_loader
-from pretrain.data.remote import redact
+from pretrain.core.redact import redact
 from pretrain.data.stream import IGNORE_INDEX
 
 

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                             reduce_from_tensor_model_parallel_region)
 from torch import nn
 
-from pretrain.config import ModelConfig, UsageError
+from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
 from pretrain.model.synthesizer import build_synthesizer, head_parameter
 

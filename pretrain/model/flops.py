@@ -6,7 +6,7 @@ produce them for the needed [n, m] slice.
 """
 from __future__ import annotations
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model.attention import parse_mixers
 from pretrain.model.synthesizer import factor_pair
 

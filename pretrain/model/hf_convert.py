@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from transformers import T5Config
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
 
 # the HF tensors one of our parameters is made of, and how they combine into it

@@ -22,8 +22,8 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
-from pretrain.config import ModelConfig, UsageError
-from pretrain.manifest import mismatched
+from pretrain.core.config import ModelConfig, UsageError
+from pretrain.core.manifest import mismatched
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
 from pretrain.model.t5 import T5Model

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 VOCAB_PARAMETERS = ("embed.weight", "lm_head.weight")
 

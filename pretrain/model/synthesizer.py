@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, set_tensor_model_parallel_attributes
 from torch import nn
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 
 
 def head_parameter(full: torch.Tensor, tp_rank: int, tp: int, requires_grad: bool = True) -> nn.Parameter:

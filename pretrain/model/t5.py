@@ -17,11 +17,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from torch import nn
 
-from pretrain.config import ModelConfig, UsageError
+from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.attention import CrossAttention, RelativePositionBias, RowLinear, SelfAttention, parse_mixers
 from pretrain.model.init import init_scope, model_init
 from pretrain.model.loss import vocab_parallel_cross_entropy
-from pretrain.parallel import padded_vocab_size
+from pretrain.distributed.parallel import padded_vocab_size
 
 IGNORE_INDEX = -100
 

@@ -3,7 +3,7 @@ their submission files; plus the study's span probe (pretrain.tasks.pair). `get_
 names are those of results.json ("sst2", "boolq", "pair")."""
 from __future__ import annotations
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.tasks.glue import GLUE_TASKS
 from pretrain.tasks.pair import PAIR_TASK
 from pretrain.tasks.superglue import SUPERGLUE_TASKS

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.tasks.pair import pair_input
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

@@ -20,7 +20,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 from pretrain.data.fetch import default_cache
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 # The GLUE TSVs are not quoted ('"' is literal text), and some sentences are long.
 csv.field_size_limit(1 << 24)

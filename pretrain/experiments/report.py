@@ -1,6 +1,6 @@
 """The study's report: results.csv (one row per cell), results.md (means +- standard deviation over seeds beside
 the paper's reported figures and the baseline rows; paired differences to vanilla with 95% intervals; the
-verdict on each of the paper's claims, computed by `pretrain.study_stats`) and figures/*.png, all read back
+verdict on each of the paper's claims, computed by `pretrain.experiments.stats`) and figures/*.png, all read back
 from the cells' own files (cell.json, metrics.jsonl, the exports) and study.dir/baseline.json.
 Written by `python -m pretrain.study`.
 """
@@ -12,10 +12,10 @@ import math
 import statistics
 from pathlib import Path
 
-from pretrain import figures
-from pretrain.study import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
-from pretrain.study_movement import movement
-from pretrain.study_stats import (CONFIDENCE, Interval, find_variant, paired, per_seed, ratio, t_interval, task_keys,
+from pretrain.experiments import figures
+from pretrain.experiments.grid import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
+from pretrain.experiments.movement import movement
+from pretrain.experiments.stats import (CONFIDENCE, Interval, find_variant, paired, per_seed, ratio, t_interval, task_keys,
                                   verdicts)
 
 # Tay et al. 2021 (arXiv 2005.00743), T5-base-sized models pretrained on C4, as quoted by secondary summaries
@@ -251,7 +251,7 @@ def attention_figure(dense, vanilla, path: Path) -> Path:
     """Encoder layer 0, head 0 on one sentence: vanilla's dot-product attention beside Dense's synthesized one."""
     import torch
 
-    from pretrain.export import load_pretrained
+    from pretrain.transfer.exporting import load_pretrained
     from tokenizer.spm import Tokenizer
 
     tok = Tokenizer(dense.dir / "export" / "spiece.model")

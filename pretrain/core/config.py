@@ -4,7 +4,7 @@ Precedence is dataclass defaults < YAML file < command line (merged by OmegaConf
 unknown key, a value of the wrong type or out of range, a missing file) is a `ConfigError` whose message is one
 line naming the key and the closest valid key, the expected type or the allowed range; `parse_args` turns it
 into that line on stderr and exit code 2, never a traceback. A section's single-key rules are its
-`__post_init__`; rules across sections and the launch are `pretrain.plan.check_job`'s.
+`__post_init__`; rules across sections and the launch are `pretrain.planning.planner.check_job`'s.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from pretrain.cli import exit_on_help
+from pretrain.core.cli import exit_on_help
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ class ParallelConfig:
     timeout_s: int = 600  # process-group timeout: a dead rank makes the others fail after this long
 
     def __post_init__(self) -> None:
-        check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.parallel
+        check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.distributed.parallel
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 def to_yaml(cfg) -> str:
     """The resolved config as YAML (what `config.yaml` in the run folder holds), credentials in URLs hidden."""
-    from pretrain.data.remote import redact  # stdlib only; imported here to keep config.py's imports minimal
+    from pretrain.core.redact import redact
 
     return redact(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
@@ -282,7 +282,7 @@ def save_config(cfg, path: str | Path) -> None:
 
 
 def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "") -> T:
-    """`[--config FILE] [section.key=value ...]` -> config; `--help` lists the keys (pretrain.cli) and exits 0;
+    """`[--config FILE] [section.key=value ...]` -> config; `--help` lists the keys (pretrain.core.cli) and exits 0;
     user mistakes exit 2 with one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     exit_on_help(schema.__name__, prog or schema.__module__, argv)

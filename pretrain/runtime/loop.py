@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.checkpoint import CheckpointManager, Progress
-from pretrain.config import TrainConfig
-from pretrain.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
-from pretrain.figures import synthesizer_images
-from pretrain.metrics import MetricsLogger, peak_memory_bytes
+from pretrain.runtime.checkpoint import CheckpointManager, Progress
+from pretrain.core.config import TrainConfig
+from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
+from pretrain.runtime.pictures import synthesizer_images
+from pretrain.runtime.metrics import MetricsLogger, peak_memory_bytes
 from pretrain.model.sharding import is_tp_sharded
-from pretrain.parallel import ParallelDims
+from pretrain.distributed.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
 
 def synthesizer_pictures(model, zero_stage: int) -> dict:
     """TensorBoard images of the learned Random / Factorized Random matrices and per-head mixture weights
-    (`pretrain.figures.synthesizer_images`); every rank calls (TP gathers; ZeRO-3 holds only shards)."""
+    (`pretrain.experiments.figures.synthesizer_images`); every rank calls (TP gathers; ZeRO-3 holds only shards)."""
     params = [p for name, p in model.named_parameters() if ".synth." in name or ".mix" in name]
     with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):
         return synthesizer_images(model)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pretrain.config import TrainConfig
+from pretrain.core.config import TrainConfig
 
 SCHEDULES = ("inverse_sqrt", "cosine")
 

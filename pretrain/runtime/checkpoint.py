@@ -9,7 +9,7 @@ in the client state) and ours: `data_dp{r}.pt` (the data position of DP rank r, 
 `inputs.json` (the tokenizer's sha256 and the train shards, by name and size, in the stream's order) with a copy
 of the tokenizer (`spiece.model`, which the export ships) and, last, `complete.json`: written by rank 0 only
 after every rank wrote, fsync'd and checksummed its files, it lists every file with its size and crc32
-(`pretrain.manifest`, which also decides which checkpoints are complete and intact). `latest` is moved (write,
+(`pretrain.core.manifest`, which also decides which checkpoints are complete and intact). `latest` is moved (write,
 fsync, rename, fsync the folder) after the marker, so a crash or a full disk during a save leaves `latest` on the
 previous complete checkpoint; it is a hint for people: the newest complete intact checkpoint is what a run
 continues from. The newest `checkpoint.keep` complete checkpoints are kept; the newest complete one never goes.
@@ -44,10 +44,10 @@ import torch.distributed as dist
 import yaml
 from megatron.core.tensor_parallel import random as mp_random
 
-from pretrain.config import CheckpointConfig, ModelConfig, UsageError
-from pretrain.manifest import (LATEST, check_complete, check_intact, complete_steps, damaged_parts, describe,
+from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
+from pretrain.core.manifest import (LATEST, check_complete, check_intact, complete_steps, damaged_parts, describe,
                                fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic, write_marker)
-from pretrain.parallel import ParallelDims
+from pretrain.distributed.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from source (`ast`), not imported, because the jobs' modules import torch, DeepS
 and a schema may live in such a module; so an entry point can answer `--help` before its heavy imports:
 
     if __name__ == "__main__":  # answer --help before the heavy imports below
-        from pretrain.cli import exit_on_help
+        from pretrain.core.cli import exit_on_help
         exit_on_help("Config", prog="pretrain.train")
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _default(value: ast.expr | None) -> str:
 
 
 def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
-    """Every key of the dataclass `schema` defined in `module_file` (or in pretrain/config.py), sections nested."""
+    """Every key of the dataclass `schema` defined in `module_file` (or in pretrain/core/config.py), sections nested."""
     classes = _dataclass_fields(CONFIG_SOURCE)
     classes.update(_dataclass_fields(Path(module_file)))
 
@@ -84,7 +84,7 @@ def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
 
 def help_text(schema: str, prog: str) -> str:
     """Usage, the first paragraph of module `prog`'s docstring, and every key of `schema` (defined there or in
-    pretrain/config.py)."""
+    pretrain/core/config.py)."""
     module_file = Path(importlib.util.find_spec(prog).origin)  # found, not imported
     keys = schema_keys(module_file, schema)
     doc = ast.get_docstring(ast.parse(module_file.read_text())) or ""

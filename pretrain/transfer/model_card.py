@@ -2,7 +2,7 @@
 weights, training data, steps, tokens seen, the run's evaluation results, and how to load it."""
 from __future__ import annotations
 
-from pretrain.config import ModelConfig
+from pretrain.core.config import ModelConfig
 from pretrain.model.attention import parse_mixers
 
 MIXER_TEXT = {
@@ -71,6 +71,6 @@ def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], sour
               'ids = tokenizer("sst2 sentence: a gorgeous film", return_tensors="pt").input_ids',
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=8)[0], skip_special_tokens=True))",
               "```", "",
-              "Or with this project: `pretrain.export.load_pretrained(FOLDER)`; fine-tune with "
+              "Or with this project: `pretrain.transfer.exporting.load_pretrained(FOLDER)`; fine-tune with "
               "`python -m pretrain.finetune ... init=FOLDER`.", ""]
     return "\n".join(lines)

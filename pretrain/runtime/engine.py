@@ -12,11 +12,11 @@ import torch
 from deepspeed.utils import safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-from pretrain.config import TrainConfig, UsageError, ZeroConfig
+from pretrain.core.config import TrainConfig, UsageError, ZeroConfig
 from pretrain.model.pretrained import open_weights
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
-from pretrain.parallel import deepspeed_mpu
-from pretrain.schedule import SCHEDULES, build_scheduler
+from pretrain.distributed.parallel import deepspeed_mpu
+from pretrain.runtime.schedule import SCHEDULES, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,10 @@ def build_deepspeed_config(
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16, "loss_scale_window": 1000},
         "checkpoint": {"load_universal": load_universal},
-        "steps_per_print": 2**31 - 1,  # progress lines are ours (pretrain.metrics)
+        "steps_per_print": 2**31 - 1,  # progress lines are ours (pretrain.runtime.metrics)
         "wall_clock_breakdown": False,
         # DeepSpeed's throughput timer synchronises the device at every forward and backward to time steps we
-        # time ourselves (pretrain.metrics)
+        # time ourselves (pretrain.runtime.metrics)
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if precision != "fp32" and zero.stage > 0:
@@ -111,7 +111,7 @@ def _takes_bf16_optimizer(precision: str, stage: int) -> bool:
 def _skips_on_norm(precision: str, stage: int) -> bool:
     """bf16 at ZeRO 2 (DeepSpeedZeroOptimizer): its own overflow check waits for the device three times a step
     (an all-reduced flag's .item(), then an invalid-norm test before the update and one per group before clipping,
-    stage_1_and_2.py); pretrain.engine turns it off and decides the skip from the norm once (_skip_on_invalid_norm)."""
+    stage_1_and_2.py); pretrain.runtime.engine turns it off and decides the skip from the norm once (_skip_on_invalid_norm)."""
     return precision == "bf16" and stage == 2
 
 

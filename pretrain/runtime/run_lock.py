@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 log = logging.getLogger(__name__)
 

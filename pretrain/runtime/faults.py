@@ -7,7 +7,7 @@ Exit codes:
   EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
                        parallel.timeout_s, with one line saying another rank failed first (or, where a collective
                        timed out, that a rank never arrived: stalled or hung)
-  EXIT_USAGE (2)       a user mistake (pretrain.config.UsageError: config, inputs, layout): one line on stderr
+  EXIT_USAGE (2)       a user mistake (pretrain.core.config.UsageError: config, inputs, layout): one line on stderr
   EXIT_DIVERGED (3)    more than train.max_skipped_steps steps were skipped (non-finite loss or gradients);
                        the last good checkpoint stays
   EXIT_PREEMPTED (75)  SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 arrived: a checkpoint was saved, run the same command again
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from pretrain.config import UsageError, print_error
-from pretrain.parallel import destroy_distributed
+from pretrain.core.config import UsageError, print_error
+from pretrain.distributed.parallel import destroy_distributed
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Diverged(RuntimeError):
 
 
 class PreemptionFlag:
-    """Records PREEMPTION_SIGNALS. `raised` rides in every step's one collective (`pretrain.loop.train_step`),
+    """Records PREEMPTION_SIGNALS. `raised` rides in every step's one collective (`pretrain.runtime.loop.train_step`),
     so every rank learns that some rank received a signal at the same step, and stops there."""
 
     def __init__(self) -> None:

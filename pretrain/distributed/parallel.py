@@ -28,7 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
 from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, init_launcher_death_signal
-from pretrain.config import ModelConfig, ParallelConfig, UsageError
+from pretrain.core.config import ModelConfig, ParallelConfig, UsageError
 
 log = logging.getLogger(__name__)
 

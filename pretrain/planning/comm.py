@@ -7,7 +7,7 @@ collectives through the real engine):
 - ZeRO 0 and 1: after the last backward of the step, one all-reduce of every gradient over DP, in buckets of
   5e8 elements (`engine.allreduce_gradients` -> `buffered_allreduce_fallback`; bf16 at ZeRO 1 goes through
   `BF16_Optimizer`, which ignores `zero.overlap_comm` and `zero.reduce_bucket_size`), in the communication
-  dtype (fp32 for bf16/fp16 at ZeRO >= 1, pretrain.engine): exposed, nothing computes meanwhile.
+  dtype (fp32 for bf16/fp16 at ZeRO >= 1, pretrain.runtime.engine): exposed, nothing computes meanwhile.
 - ZeRO 1 and 2: after the optimizer step each rank's updated partition of the weights is all-gathered (model
   dtype, buckets of `zero.allgather_bucket_size` per parameter group): exposed.
 - ZeRO 2: every micro batch's backward all-reduces the gradients in buckets of `zero.reduce_bucket_size` (each
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.core.config import Config
 
 BUFFERED_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
 BUS_EFFICIENCY = 0.8  # NCCL's measured bus bandwidth reaches ~80% of the nominal link (nccl-tests, large messages)
@@ -95,8 +95,8 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
     in the shared input embedding), DP group of `dp` ranks."""
     stage, zero = cfg.zero.stage, cfg.zero
     model_bytes = _BYTES[cfg.precision]
-    comm_bytes = 4 if stage > 0 else model_bytes  # pretrain.engine reduces in fp32 under ZeRO (accumulates there)
-    spans_nodes = tp * dp > gpus_per_node  # TP is innermost (pretrain.parallel): a DP group's ranks are tp apart
+    comm_bytes = 4 if stage > 0 else model_bytes  # pretrain.runtime.engine reduces in fp32 under ZeRO (accumulates there)
+    spans_nodes = tp * dp > gpus_per_node  # TP is innermost (pretrain.distributed.parallel): a DP group's ranks are tp apart
     dp_gbps = min(nvlink_gbps, link_gbps * max(1, gpus_per_node // tp)) if spans_nodes else nvlink_gbps
     grads = num_params * comm_bytes
     found: list[Collective] = []
@@ -123,7 +123,7 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
             found.append(Collective("gradients", "reduce_scatter", _ceil_div(num_params, zero.reduce_bucket_size)
                                     * accumulation, grads * accumulation, dp, dp_gbps, overlapped=True))
         if stage in (1, 2):
-            # per parameter group (pretrain.engine.param_groups: the matrices, and the vectors in one more call)
+            # per parameter group (pretrain.runtime.engine.param_groups: the matrices, and the vectors in one more call)
             found.append(Collective("weights", "all_gather", _ceil_div(num_params, zero.allgather_bucket_size) + 1,
                                     num_params * model_bytes, dp, dp_gbps, overlapped=False))
         if stage == 3:  # forward and backward gather every layer's weights, every micro batch

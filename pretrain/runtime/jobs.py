@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.config import UsageError
-from pretrain.parallel import ParallelDims
-from pretrain.run_lock import RunLock
+from pretrain.core.config import UsageError
+from pretrain.distributed.parallel import ParallelDims
+from pretrain.runtime.run_lock import RunLock
 
 
 def init_logging(rank: int) -> None:

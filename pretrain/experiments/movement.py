@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pretrain.config import ModelConfig
-from pretrain.figures import synthesizer_matrices
+from pretrain.core.config import ModelConfig
+from pretrain.runtime.pictures import synthesizer_matrices
 from pretrain.model import T5Model, build_local_model
 from pretrain.model.pretrained import CONFIG, export_config, weight_files
-from pretrain.parallel import init_rng, init_single_process
+from pretrain.distributed.parallel import init_rng, init_single_process
 
 
 def initial_model(cfg: ModelConfig, seed: int) -> T5Model:

@@ -1,5 +1,5 @@
 """The integrity of checkpoint folders: the completion marker `complete.json`, checking it, and choosing the
-checkpoint a run continues from. `pretrain.checkpoint` writes checkpoints; this module says which ones to trust.
+checkpoint a run continues from. `pretrain.runtime.checkpoint` writes checkpoints; this module says which ones to trust.
 
 `step_N/complete.json` is written last (by rank 0, after every rank wrote, closed and fsync'd its files) and
 lists every file of the folder with its size and its crc32 (zlib's, streamed in 16 MiB pieces: ~3 GB/s on one
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain.config import UsageError
+from pretrain.core.config import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -12,117 +12,24 @@ study's paired differences), one PNG each.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-# our names (encoder.layers.0.attn.synth.random.r) and the export's (encoder.block.0.layer.0.SelfAttention.synth...)
-_RANDOM = re.compile(r"^(encoder|decoder)\.(?:layers|block)\.(\d+)\..*synth\.(random|fixed_random|factorized_random)\.(r|r1)$")
 
 
-def synthesizer_matrices(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{"encoder.layers.0/random": [heads, N, N]} for every input-independent synthesizer in `state`."""
-    found = []
-    for name, t in state.items():
-        m = _RANDOM.match(name)
-        if not m:
-            continue
-        stack, layer, mixer, part = m.groups()
-        r = t.detach().float()
-        if part == "r1":  # R = R1 R2^T: [heads, N, k] @ [heads, k, N]
-            r = r @ state[name[:-1] + "2"].detach().float().transpose(1, 2)
-        found.append(((stack, int(layer), mixer), r))
-    return {f"{stack}.layers.{layer}/{mixer}": r for (stack, layer, mixer), r in sorted(found, key=lambda f: (f[0][0] != "encoder", *f[0][1:]))}
 
 
-def mixture_grids(model) -> dict[str, np.ndarray]:
-    """{"encoder/random": [layers, heads]}: each mixer's softmax weight per layer and head (a per-layer
-    weight is the same for every head). Per-head weights are gathered over TP: call on every TP rank."""
-    weights = model.mixture_weights()  # {"encoder.layers.3": [k] or [heads, k]}
-    heads = model.config.num_heads
-    grids: dict[str, list[np.ndarray]] = {}
-    for layer, w in weights.items():
-        stack = layer.split(".")[0]
-        w = w.float().cpu()
-        w = w.expand(heads, -1) if w.dim() == 1 else w  # [heads, k]
-        for i, mixer in enumerate(model.mixers[stack]):
-            grids.setdefault(f"{stack}/{mixer}", []).append(w[:, i].numpy())
-    return {tag: np.stack(rows) for tag, rows in grids.items()}
 
 
-def heatmap(matrix: np.ndarray, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
-    """A 2-D array as an HWC uint8 RGB image (viridis, min..max of the array unless given)."""
-    from matplotlib import colormaps
-
-    matrix = np.asarray(matrix, dtype=np.float64)
-    lo = matrix.min() if vmin is None else vmin
-    hi = matrix.max() if vmax is None else vmax
-    scaled = (matrix - lo) / (hi - lo) if hi > lo else np.zeros_like(matrix)
-    return (colormaps["viridis"](np.clip(scaled, 0, 1))[..., :3] * 255).astype(np.uint8)  # [H, W, 3]
 
 
-def _tile(images: Sequence[np.ndarray], gap: int = 2) -> np.ndarray:
-    """Images of one height side by side with a white gap (one tile per head)."""
-    h = images[0].shape[0]
-    spacer = np.full((h, gap, 3), 255, dtype=np.uint8)
-    parts = [p for img in images for p in (img, spacer)][:-1]
-    return np.concatenate(parts, axis=1)
 
 
-def synthesizer_images(model) -> dict[str, np.ndarray]:
-    """TensorBoard images ({tag: HWC uint8}) of this rank's learned random matrices (heads side by side, one
-    colour scale per layer) and of each mixer's mixture weights as a layer x head grid (scale 0..1).
-    Call on every rank (per-head mixture weights are gathered over TP); ZeRO-3 needs the parameters gathered."""
-    images = {}
-    for tag, r in synthesizer_matrices(model.state_dict()).items():
-        lo, hi = float(r.min()), float(r.max())
-        images[f"synthesizer/{tag}"] = _tile([heatmap(h.cpu().numpy(), lo, hi) for h in r])
-    for tag, grid in mixture_grids(model).items():
-        # a few pixels per cell: a 2 x 4 grid would be invisible at one pixel each
-        images[f"mixture_heads/{tag}"] = np.kron(heatmap(grid, 0.0, 1.0), np.ones((16, 16, 1), dtype=np.uint8))
-    return images
 
 
-@torch.no_grad()
-def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The first encoder layer's self-attention on one unpadded sequence: {mixer: [heads, n, n]} for each
-    mixer alone (softmax of its logits + position bias) and "mixed" (the probabilities the layer uses).
-
-    The layer's input, position bias and mask are captured with a forward hook; the logits are recomputed
-    from the layer's own projections (Q/K for vanilla, the synthesizer modules otherwise)."""
-    attn = model.encoder.layers[0].attn
-    captured = {}
-
-    def hook(module, args, kwargs, output):
-        captured["x"], captured["bias"] = args[0], args[1]
-        captured["out"] = output
-
-    handle = attn.register_forward_hook(hook, with_kwargs=True)
-    try:
-        model.encode(input_ids, torch.ones_like(input_ids))
-    finally:
-        handle.remove()
-    x, additive = captured["x"], captured["bias"]  # [1, n, d], [1, heads, n, n] (no padding: bias only)
-    b, n, _ = x.shape
-    logits = {}
-    for name in attn.mixers:
-        if name == "vanilla":
-            qkv = attn.qkv(x)[0].view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
-            logits[name] = qkv[0] @ qkv[1].transpose(-1, -2)  # [1, heads, n, n]; T5 folds the scale into Q
-        else:
-            logits[name] = attn.synth[name](x, 0, n).expand(b, -1, -1, -1)
-    if len(attn.mixers) > 1:
-        alpha = attn.mixture_weights()  # [k] or [heads, k]
-        mixed = sum(logits[m] * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
-                    for i, m in enumerate(attn.mixers))
-    else:
-        mixed = logits[attn.mixers[0]]
-    maps = {name: torch.softmax(s + additive, dim=-1)[0] for name, s in logits.items()}
-    maps["mixed"] = torch.softmax(mixed + additive, dim=-1)[0]
-    return maps
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,3 @@
+"""What a job will cost before it runs: memory per GPU (memory), communication per step (comm),
+and the layout check every job and `python -m pretrain.plan` run (planner). Imports: pretrain.core,
+pretrain.distributed, pretrain.model, pretrain.data, pretrain.runtime (the DeepSpeed config it plans for)."""
