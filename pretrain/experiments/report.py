@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from pretrain.experiments import figures
+from pretrain.runtime import pictures
 from pretrain.experiments.grid import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
 from pretrain.experiments.movement import movement
 from pretrain.experiments.stats import (CONFIDENCE, Interval, find_variant, paired, per_seed, ratio, t_interval, task_keys,
@@ -234,7 +235,7 @@ def write_figures(cfg: StudyConfig, rows: list[dict], folder: Path) -> list[Path
             written.append(figures.plot_mixture(mixture, folder / f"mixture_{slug(label)}.png",
                                                 f"{label}, seed {c.seed}: mixture weights per layer\nend: {moved} from "
                                                 f"uniform (TV; mean [{CONFIDENCE:.0%}] over seeds)"))
-        matrices = figures.synthesizer_matrices(load_file(str(c.dir / "export" / "model.safetensors")))
+        matrices = pictures.synthesizer_matrices(load_file(str(c.dir / "export" / "model.safetensors")))
         if matrices:
             moved = _moved_text(rows, label, "moved/random")
             written.append(figures.plot_heads(matrices, folder / f"matrices_{slug(label)}.png",
@@ -258,8 +259,8 @@ def attention_figure(dense, vanilla, path: Path) -> Path:
     ids = tok.encode(EXAMPLE)
     pieces = [tok.sp.id_to_piece(i) if i < tok.sp.get_piece_size() else str(i) for i in ids]
     input_ids = torch.tensor([ids])
-    maps = {f"vanilla (seed {vanilla.seed})": figures.attention_maps(load_pretrained(vanilla.dir / "export"), input_ids)["vanilla"]}
-    dense_maps = figures.attention_maps(load_pretrained(dense.dir / "export"), input_ids)
+    maps = {f"vanilla (seed {vanilla.seed})": pictures.attention_maps(load_pretrained(vanilla.dir / "export"), input_ids)["vanilla"]}
+    dense_maps = pictures.attention_maps(load_pretrained(dense.dir / "export"), input_ids)
     maps[f"{dense.variant.label}: dense part (seed {dense.seed})"] = dense_maps["dense"]
     if len(dense_maps) > 2:  # a mixture: also what the layer really uses
         maps[f"{dense.variant.label}: mixed"] = dense_maps["mixed"]

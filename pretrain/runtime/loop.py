@@ -157,7 +157,7 @@ def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
 
 def synthesizer_pictures(model, zero_stage: int) -> dict:
     """TensorBoard images of the learned Random / Factorized Random matrices and per-head mixture weights
-    (`pretrain.experiments.figures.synthesizer_images`); every rank calls (TP gathers; ZeRO-3 holds only shards)."""
+    (`pretrain.runtime.pictures.synthesizer_images`); every rank calls (TP gathers; ZeRO-3 holds only shards)."""
     params = [p for name, p in model.named_parameters() if ".synth." in name or ".mix" in name]
     with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):
         return synthesizer_images(model)

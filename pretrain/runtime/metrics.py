@@ -104,7 +104,7 @@ class MetricsLogger:
             self._wandb.log({**scalars, **extra}, step=step)
 
     def write_images(self, step: int, images: dict[str, np.ndarray]) -> None:
-        """Images [height, width, 3] uint8 (e.g. `pretrain.experiments.figures.synthesizer_images(model)`) at `step`."""
+        """Images [height, width, 3] uint8 (e.g. `pretrain.runtime.pictures.synthesizer_images(model)`) at `step`."""
         if not self.enabled:
             return
         for tag, image in images.items():
