@@ -31,7 +31,7 @@ RECIPES = {
     **{f"adamw {lr} cosine": ["train.optimizer=adamw", f"train.lr={lr}", f"train.min_lr={float(lr) / 10}",
                               "train.schedule=cosine", "train.grad_clip=1.0", "train.weight_decay=0.01",
                               "train.beta2=0.999"]
-       for lr in ("1e-3", "3e-3", "1e-2")},
+       for lr in ("1e-3", "3e-3", "1e-2", "2e-2")},
 }
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         assert train(cfg) == 0, name
         results[name] = _final(run_dir)
         print(f"{name}: train loss {results[name][0]:.3f}  eval loss {results[name][1]:.3f}", flush=True)
-    print(f"\n{args.steps} steps x 16 sequences x ({cfg.data.input_length} + targets) tokens, warm-up {warmup}, "
+    print(f"\n{args.steps} steps x {cfg.train.global_batch} sequences x ({cfg.data.input_length} + targets) tokens, warm-up {warmup}, "
           f"{args.config} shrunk to d_model 64, 2 heads of 32, 2 + 2 layers")
     print("| recipe | train loss (last quarter) | eval loss |\n|---|---|---|")
     for name, (loss, eval_loss) in results.items():

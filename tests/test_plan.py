@@ -145,8 +145,8 @@ def test_check_job_layout_and_auto_micro_batch():
     assert tiny.micro_batch < layout.micro_batch
     with pytest.raises(ValueError, match="train.micro_batch 'many' must be a positive integer or auto"):
         check_job(load_config(Config, "configs/base.yaml", ["train.micro_batch=many"]), world=8)
-    with pytest.raises(ValueError, match=r"train.global_batch \(256\) must equal train.micro_batch \(32\)"):
-        check_job(load_config(Config, "configs/base.yaml", ["train.micro_batch=32"]), world=16)
+    with pytest.raises(ValueError, match=r"train.global_batch \(1024\) must equal train.micro_batch \(32\)"):
+        check_job(load_config(Config, "configs/base.yaml", ["train.micro_batch=32"]), world=24)
 
 
 def _plan(capsys, *args: str) -> tuple[int, str, str]:
