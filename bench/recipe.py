@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         assert train(cfg) == 0, name
         results[name] = _final(run_dir)
         print(f"{name}: train loss {results[name][0]:.3f}  eval loss {results[name][1]:.3f}", flush=True)
-    print(f"\n{args.steps} steps x {cfg.train.global_batch} sequences x ({cfg.data.input_length} + targets) tokens, warm-up {warmup}, "
-          f"{args.config} shrunk to d_model 64, 2 heads of 32, 2 + 2 layers")
+    print(f"\n{args.steps} steps x {cfg.train.global_batch} sequences x ({cfg.data.input_length} + targets) tokens, "
+          f"warm-up {warmup}, {args.config} shrunk to d_model 64, 2 heads of 32, 2 + 2 layers")
     print("| recipe | train loss (last quarter) | eval loss |\n|---|---|---|")
     for name, (loss, eval_loss) in results.items():
         print(f"| {name} | {loss:.3f} | {eval_loss:.3f} |")

@@ -7,7 +7,7 @@ order. A failing rank's traceback is raised in the test process and the other ra
 rank stuck in a collective waiting for a dead peer cannot hang the suite.
 
 The processes are forked from one forkserver per test session that has imported torch, DeepSpeed,
-megatron-core and the project once (PRELOAD): a spawned rank spent ~10 s of CPU importing them, most of a small
+megatron-core and the project once (PRELOAD): a spawned rank spent ~13 s of CPU importing them, most of a small
 test's cost on CI's 2 cores. The server has run nothing else, so every rank starts as clean as a spawned one;
 it takes the test process's environment and working directory as they are at the call.
 """
