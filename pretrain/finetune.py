@@ -39,6 +39,7 @@ from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, universal_checkpoint_info, with_vocab
 from pretrain.model.pretrained import export_config, foreign_tokenizer, load_weights
+from pretrain.runtime.schedule import with_finetune_lr
 from pretrain.distributed.parallel import init_distributed
 from pretrain.tasks import Example, get_task
 from tokenizer.spm import Tokenizer
@@ -218,6 +219,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     lock = acquire_run_lock(run_dir, dims)
     try:
         model_cfg = dataclasses.replace(export_config(cfg.init), dropout=cfg.task.dropout)
+        cfg = dataclasses.replace(cfg, train=with_finetune_lr(cfg.train, model_cfg.d_model))  # lr: auto
         spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
         tokenizer = Tokenizer(spiece)
@@ -260,9 +262,9 @@ def finetune(cfg: FinetuneConfig) -> int:
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
                                 config=yaml.safe_load(to_yaml(cfg)))
         metrics.write_text("config", to_yaml(cfg), step=progress.step)
-        log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d",
-                 task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
-                 cfg.train.micro_batch, accumulation, dims.dp)
+        log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d, "
+                 "peak lr %.3g", task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
+                 cfg.train.micro_batch, accumulation, dims.dp, cfg.train.lr)
         try:
             code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
                             checkpoints, metrics, evaluator,

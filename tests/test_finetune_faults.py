@@ -1,19 +1,24 @@
-"""Fine-tuning's faults before its first step: a dev split without examples (fine-tuning and `pretrain.evaluate`) and
-a `data.tokenizer` other than the export's. Each once went through silently."""
+"""Fine-tuning's faults before its first step: a dev split without examples (fine-tuning and `pretrain.evaluate`), a
+`data.tokenizer` other than the export's, and the shipped configs' learning rate, which must follow the measured
+width rule (a fixed 1e-4 left the tiny model at chance). Each once went through silently."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from sentencepiece import sentencepiece_model_pb2
 
-from pretrain.core.config import Config, load_config
+from pretrain.core.config import Config, UsageError, load_config
+from pretrain.finetune import FinetuneConfig
 from pretrain.model import build_local_model
 from pretrain.model.pretrained import foreign_tokenizer
+from pretrain.runtime.schedule import FINETUNE_LR_AT_WIDTH_64, with_finetune_lr
 from pretrain.transfer.exporting import write_export
 from tokenizer.spm import Tokenizer
 
@@ -92,3 +97,43 @@ def test_finetuning_with_another_tokenizer_than_the_exports_is_one_line(tmp_path
                               "leave data.tokenizer empty (the export's own)")
     assert not (tmp_path / "run").exists()
 
+
+def _measured_sweep() -> dict[float, float]:
+    """docs/transfer.md's table of `bench.finetune_recipe` on the tiny export: {train.lr: mean dev accuracy}."""
+    text = (REPO / "docs" / "transfer.md").read_text()
+    table = text[text.index("| train.lr | accuracy (per seed)"):].split("\n\n")[0].splitlines()[2:]
+    sweep = {}
+    for row in table:
+        lr, accuracy = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        per_seed = [float(a) for a in re.findall(r"[0-9.]+", accuracy)]
+        sweep[float(lr)] = sum(per_seed) / len(per_seed)
+    return sweep
+
+
+def test_the_shipped_finetuning_configs_take_the_measured_learning_rate():
+    # before: every GLUE/SuperGLUE config fixed AdamW at 1e-4, T5-base's rate, at which the tiny model (d_model 64)
+    # learnt nothing (dev accuracy at chance); the configs now take lr auto, the width rule whose constant is the
+    # best LR of the recorded sweep at d_model 64
+    sweep = _measured_sweep()
+    best = max(sweep, key=sweep.get)
+    assert FINETUNE_LR_AT_WIDTH_64 == best and sweep[best] - sweep[1e-4] > 0.05, sweep
+    configs = sorted(p for p in (REPO / "configs" / "finetune").glob("*.yaml") if not p.name.startswith("_"))
+    assert len(configs) == 18
+    for path in configs:
+        train = load_config(FinetuneConfig, path).train
+        assert with_finetune_lr(train, TINY.model.d_model).lr == pytest.approx(best), path.name
+        assert with_finetune_lr(train, 768).lr == pytest.approx(best * 64 / 768), path.name  # base's width
+
+
+def test_lr_auto_is_fine_tunings_and_a_number_otherwise(tmp_path):
+    from pretrain.planning.planner import check_job
+
+    with pytest.raises(UsageError, match=re.escape("train.lr auto is fine-tuning's rule (from the export's width); "
+                                                   "pretraining takes a number")):
+        check_job(load_config(Config, "configs/tiny.yaml", ["train.lr=auto"]), world=1)  # the trainer's and plan's
+    with pytest.raises(UsageError, match=re.escape("train.lr 'fast' must be a number > 0 or auto")):
+        load_config(FinetuneConfig, "configs/finetune/sst2.yaml", ["train.lr=fast"])
+    assert load_config(FinetuneConfig, "configs/finetune/sst2.yaml", ["train.lr=1e-3"]).train.lr == 1e-3
+    assert load_config(FinetuneConfig, "configs/finetune/sst2.yaml", ["train.lr=1"]).train.lr == 1.0
+    (tmp_path / "run.yaml").write_text("train:\n  lr: 3e-4\n")  # YAML 1.1 reads a number without a dot as text
+    assert load_config(FinetuneConfig, tmp_path / "run.yaml").train.lr == 3e-4
