@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from pretrain.tasks import get_task
 from tokenizer.spm import Tokenizer
-from pretrain.transfer.evaluation import METHODS, evaluate_task, markdown_table, write_results
+from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, markdown_table, write_results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         task, out = get_task(args.task), Path(args.output)
+        check_evaluation_files(task, args.data, submission=True)
         model, tokenizer = load_pretrained(args.export).to(device), Tokenizer(Path(args.export) / "spiece.model")
         results = evaluate_task(model, tokenizer, task, args.data, args.method, args.batch, args.max_input_length,
                                 args.limit, out / "submission")

@@ -32,13 +32,14 @@ from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, 
 from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
                              TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
-from pretrain.transfer.evaluation import METHODS, evaluate_task, input_limit, write_results
+from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, input_limit, write_results
 from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, universal_checkpoint_info, with_vocab
-from pretrain.model.pretrained import export_config, load_weights
+from pretrain.model.pretrained import export_config, foreign_tokenizer, load_weights
+from pretrain.runtime.schedule import with_finetune_lr
 from pretrain.distributed.parallel import init_distributed
 from pretrain.tasks import Example, get_task
 from tokenizer.spm import Tokenizer
@@ -61,7 +62,7 @@ class TaskConfig:
 @dataclass(frozen=True)
 class FinetuneDataConfig:
     dir: str = ""  # the task's folder in the official layout (glue_data/SST-2), or the folder above it (glue_data)
-    tokenizer: str = ""  # spiece.model; empty: the one in the `init` export
+    tokenizer: str = ""  # empty: the `init` export's spiece.model; another file must be that same tokenizer
 
 
 @dataclass(frozen=True)
@@ -209,15 +210,16 @@ def finetune(cfg: FinetuneConfig) -> int:
     examples = task.read(cfg.data.dir, task.train, labelled=True)
     examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
     check_examples(len(examples), Path(cfg.data.dir) / task.train, cfg.task, cfg.train.micro_batch, dims.dp)
-    for split in task.splits:  # the evaluation files, checked now rather than after hours of training
-        task.read(cfg.data.dir, split.validation, labelled=True)
-        if cfg.eval.submission:
-            task.read(cfg.data.dir, split.test, labelled=False)
+    check_evaluation_files(task, cfg.data.dir, cfg.eval.submission)
+    if cfg.data.tokenizer and (own := foreign_tokenizer(Path(cfg.init), Tokenizer(cfg.data.tokenizer).path)):
+        raise UsageError(f"data.tokenizer ({cfg.data.tokenizer}) is not {own}, the tokenizer the export was trained "
+                         "with: its token ids would mean other pieces; leave data.tokenizer empty (the export's own)")
     run_dir = Path(cfg.run.dir)
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
     lock = acquire_run_lock(run_dir, dims)
     try:
         model_cfg = dataclasses.replace(export_config(cfg.init), dropout=cfg.task.dropout)
+        cfg = dataclasses.replace(cfg, train=with_finetune_lr(cfg.train, model_cfg.d_model))  # lr: auto
         spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
         tokenizer = Tokenizer(spiece)
@@ -260,9 +262,9 @@ def finetune(cfg: FinetuneConfig) -> int:
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
                                 config=yaml.safe_load(to_yaml(cfg)))
         metrics.write_text("config", to_yaml(cfg), step=progress.step)
-        log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d",
-                 task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
-                 cfg.train.micro_batch, accumulation, dims.dp)
+        log.info("fine-tuning %s on %d examples: steps %d -> %d, global batch %d = micro %d x accumulation %d x DP %d, "
+                 "peak lr %.3g", task.name, len(examples), progress.step, cfg.train.steps, cfg.train.global_batch,
+                 cfg.train.micro_batch, accumulation, dims.dp, cfg.train.lr)
         try:
             code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
                             checkpoints, metrics, evaluator,

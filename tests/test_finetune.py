@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from pretrain.core.config import Config, load_config
 from pretrain.transfer.exporting import load_pretrained, write_export
@@ -17,6 +18,7 @@ from pretrain.finetune import ExampleStream, collate
 from pretrain.model import IGNORE_INDEX, build_local_model, full_state_dict
 from pretrain.model.pretrained import export_config
 from pretrain.runtime.faults import EXIT_PREEMPTED
+from pretrain.runtime.schedule import FINETUNE_LR_AT_WIDTH_64
 from tests.distributed import run_distributed
 
 TINY = load_config(Config, "configs/tiny.yaml")
@@ -206,6 +208,8 @@ def test_a_synthesizer_export_finetunes_with_the_shipped_sst2_config(tmp_path, t
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("inputs are truncated to 64 tokens") == 1
     assert "accuracy" in json.loads((tmp_path / "run" / "results.json").read_text())["sst2"]
+    # lr auto: the width rule at the export's d_model 64, as run (the run's config.yaml holds the number)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["lr"] == FINETUNE_LR_AT_WIDTH_64
 
 
 def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, polarity_dir):
@@ -228,8 +232,12 @@ def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, po
     _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={random_init}",
             f"data.dir={polarity_dir}", f"run.dir={tmp_path / 'from_random'}", "parallel.tensor=2", processes=2)
     baseline = json.loads((tmp_path / "from_random" / "results.json").read_text())
+    labels = [line.rsplit("\t", 1)[1] for line in (polarity_dir / "dev.tsv").read_text().splitlines()[1:]]
+    majority = max(labels.count(v) for v in set(labels)) / len(labels)  # 0.518
     for metric in ("accuracy", "accuracy_rank"):
         assert results["sst2"][metric] > baseline["sst2"][metric], (results, baseline)
+        # the configs' lr auto at d_model 64 learns the task, not only the label words (a fixed 1e-4 stayed at chance)
+        assert results["sst2"][metric] > majority, (results, majority)
     assert "| sst2 |" in stdout and (run / "results.md").read_text().startswith("| task |")
     lines = (run / "submission" / "SST-2.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 501 and {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"}

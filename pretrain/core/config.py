@@ -100,7 +100,7 @@ class TrainConfig:
     global_batch: int = 8  # micro_batch x gradient accumulation x DP
     exit_after: int = 0  # end this run after K steps with a checkpoint (0: run to `steps`)
     optimizer: str = "adamw"  # adamw or adafactor
-    lr: float = 1e-3  # peak learning rate
+    lr: Union[float, int, str] = 1e-3  # peak learning rate, or auto (fine-tuning: set by the export's d_model)
     weight_decay: float = 0.0  # decoupled; never applied to norms
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.999  # AdamW second-moment decay
@@ -114,8 +114,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_at_least("train", self, {"steps": 1, "exit_after": 0, "max_skipped_steps": 0, "warmup_steps": 0})
-        if not self.lr > 0:  # also NaN
-            raise ConfigError(f"train.lr ({self.lr}) must be > 0: it is the peak learning rate, and 0 trains nothing")
+        if self.lr != "auto":  # auto: fine-tuning's width rule (pretrain.runtime.schedule.with_finetune_lr)
+            try:  # a number; YAML reads 1e-3 (no dot) as text, and the frozen field is set once, here
+                object.__setattr__(self, "lr", float(self.lr))
+            except ValueError:
+                raise ConfigError(f"train.lr '{self.lr}' must be a number > 0 or auto") from None
+            if not self.lr > 0:  # also NaN
+                raise ConfigError(f"train.lr ({self.lr}) must be > 0: it is the peak learning rate, and 0 trains "
+                                  "nothing")
 
 
 @dataclass(frozen=True)

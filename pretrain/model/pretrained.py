@@ -171,10 +171,17 @@ def check_init_folder(folder: Path, cfg: ModelConfig, tokenizer: Path | None, re
         if hf_key in config and config[hf_key] != getattr(cfg, key):
             raise UsageError(f"{folder / CONFIG} has {hf_key} {config[hf_key]}, the model {getattr(cfg, key)}: "
                              f"set model.{key}={config[hf_key]}")
-    spiece = folder / SPIECE
-    if tokenizer and spiece.is_file() and not resize_vocab and spiece.read_bytes() != tokenizer.read_bytes():
+    spiece = foreign_tokenizer(folder, tokenizer) if tokenizer and not resize_vocab else None
+    if spiece:
         raise UsageError(f"{spiece} is not data.tokenizer ({tokenizer}): the token ids would mean other pieces; "
                          f"set data.tokenizer={spiece} (and prepare the shards with it), or init_resize_vocab=true")
+
+
+def foreign_tokenizer(folder: Path, tokenizer: Path) -> Path | None:
+    """The folder's spiece.model when it ships one that is not `tokenizer` (byte for byte: another file with the
+    same number of pieces loads without a shape error, and every token id then means another piece), else None."""
+    spiece = folder / SPIECE
+    return spiece if spiece.is_file() and spiece.read_bytes() != tokenizer.read_bytes() else None
 
 
 @contextlib.contextmanager

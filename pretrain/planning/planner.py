@@ -54,6 +54,9 @@ def check_job(cfg: Config, world: int, gpu_memory_bytes: int | None = None) -> L
     `train.micro_batch: auto` needs
     `gpu_memory_bytes` (without it: the whole per-rank batch in one pass, no accumulation)."""
     tp = cfg.parallel.tensor
+    if cfg.train.lr == "auto":
+        raise UsageError("train.lr auto is fine-tuning's rule (from the export's width); pretraining takes a number "
+                         "(the size configs: 1e-2 x 64 / model.d_model, configs/_t5_v1_1.yaml)")
     try:
         check_parallel(cfg.model, tp, world)
         check_model(cfg.model, tp)

@@ -162,6 +162,18 @@ def _gather(preds: dict[str, list], size: int) -> dict[str, list]:
     return merged
 
 
+def check_evaluation_files(task: Task, folder: str | Path, submission: bool) -> None:
+    """Read every validation file of `task` (and, with `submission`, its test files) now, before hours of training or
+    a model's load: a wrong file is its TaskFileError, and a validation file without examples is refused, as its
+    scores would be NaN (the mean of nothing)."""
+    for split in task.splits:
+        if not task.read(folder, split.validation, labelled=True):
+            raise UsageError(f"task {task.name}: {Path(folder) / split.validation} holds no examples, so nothing "
+                             "can be scored on it; give the task's validation file with its examples")
+        if submission:
+            task.read(folder, split.test, labelled=False)
+
+
 def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str | Path, method: str = "both",
                   batch_size: int = 32, max_input_length: int = 512, limit: int = 0, submission_dir: Path | None = None) -> dict[str, dict[str, float]]:
     """Scores on every validation file of `task` ({split name: metrics}); test predictions go to
