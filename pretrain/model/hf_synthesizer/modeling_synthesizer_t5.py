@@ -7,18 +7,25 @@ by softmax(mix) (one vector per layer, or one per head) when there are several: 
 the synthesizers build logits for the maximum length N (`synthesizer_length`) and slice them to the query
 rows [start, start + n) and the first m key columns. Then T5's relative position bias and the mask are
 added, softmax in fp32, times the values. Incremental decoding caches keys and values in HF's cache, whose
-length is the position offset `start` of the synthesized rows.
+length is the position offset `start` of the synthesized rows. Runs on transformers 4.57 (the last 4.x) and 5.x:
+the two call self-attention differently (`_TRANSFORMERS_4` below).
 """
 import math
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from .configuration_synthesizer_t5 import SynthesizerT5Config
+
+# transformers 5 hands self-attention `cache=`, adds the mask in every layer and takes (output, bias, weights) back;
+# transformers 4 hands `past_key_values=`, and its first layer folds the mask into the bias it returns, which the
+# stack passes to the later layers as position_bias; it takes (output, bias) back, plus the weights when asked
+_TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 def factor_pair(n: int) -> tuple[int, int]:
@@ -114,7 +121,8 @@ class SynthesizerT5Attention(T5Attention):
 
     def __init__(self, config: SynthesizerT5Config, mixers: tuple[str, ...], has_relative_attention_bias: bool,
                  layer_idx: int) -> None:
-        super().__init__(config, has_relative_attention_bias, layer_idx, is_causal=config.is_decoder)
+        super().__init__(config, has_relative_attention_bias, layer_idx)
+        self.is_causal = config.is_decoder  # transformers 5 takes it as an argument, 4 does not know it
         self.mixers = mixers
         self.max_length = config.synthesizer_length
         if "vanilla" not in mixers:
@@ -132,8 +140,11 @@ class SynthesizerT5Attention(T5Attention):
         for module in self.modules():
             module._is_hf_initialized = True
 
-    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
-        """hidden_states [b, n, d]; mask additive [b, 1, n, m] or None; cache: decoding (keys/values so far)."""
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None,
+                past_key_values=None, layer_head_mask=None, output_attentions=False, cache_position=None, **kwargs):
+        """hidden_states [b, n, d]; mask additive [b, 1, n|1, >=m] or None; cache (transformers 5),
+        past_key_values (4.56, 4.57) or past_key_value (4.x before): decoding, the keys/values so far."""
+        cache = next((c for c in (cache, past_key_values, kwargs.pop("past_key_value", None)) if c is not None), None)
         b, n, _ = hidden_states.shape
         start = int(cache.get_seq_length(self.layer_idx)) if cache is not None else 0
         if self.synth and start + n > self.max_length:
@@ -147,14 +158,18 @@ class SynthesizerT5Attention(T5Attention):
             k = self.k(hidden_states).view(shape).transpose(1, 2)
         if cache is not None:
             self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            cache_kwargs = {"cache_position": cache_position} if _TRANSFORMERS_4 else kwargs
             # without dot-product keys the values fill the key slot too: HF's caches count positions by their keys
-            k, v = self_cache.update(v if k is None else k, v, self.layer_idx, kwargs=kwargs)
+            k, v = self_cache.update(v if k is None else k, v, self.layer_idx, cache_kwargs)
         m = v.shape[2]
         if position_bias is None:  # the first layer computes it, the stack shares it with the others
-            if self.has_relative_attention_bias:
-                position_bias = self.compute_bias(n, m, device=v.device, past_seen_tokens=start)
+            if self.has_relative_attention_bias:  # rows of the positions [start, start + n)
+                position_bias = self.compute_bias(start + n, m, device=v.device)[:, :, -n:]
             else:
                 position_bias = torch.zeros(1, self.n_heads, n, m, device=v.device, dtype=v.dtype)
+            if _TRANSFORMERS_4 and mask is not None:
+                position_bias = position_bias + mask[..., :m]
+        additive = position_bias if _TRANSFORMERS_4 or mask is None else position_bias + mask
         alpha = torch.softmax(self.mix, dim=-1) if len(self.mixers) > 1 else None  # [k] or [heads, k]
         logits = 0
         for i, name in enumerate(self.mixers):
@@ -162,12 +177,24 @@ class SynthesizerT5Attention(T5Attention):
             if alpha is not None:
                 s = s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = logits + s  # [b|1, heads, n, m]
-        additive = position_bias if mask is None else position_bias + mask
         wide = torch.promote_types(v.dtype, torch.float32)  # bf16 logits lose the differences that decide
         probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)
         probs = F.dropout(probs, self.dropout, training=self.training)
-        out = (probs @ v).transpose(1, 2).reshape(b, n, -1)  # [b, n, heads * d_kv]
-        return self.o(out), position_bias, probs
+        if layer_head_mask is not None:  # transformers 4's head_mask
+            probs = probs * layer_head_mask
+        out = self.o((probs @ v).transpose(1, 2).reshape(b, n, -1))  # [b, n, d] from [b, n, heads * d_kv]
+        if _TRANSFORMERS_4:
+            return (out, position_bias) + ((probs,) if output_attentions else ())
+        return out, position_bias, probs
+
+
+def _without_lm_head(tied: dict | list) -> dict | list:
+    """T5's tied weights less lm_head (a dict in transformers 5, a list in 4): v1.1's output embedding is its own.
+    transformers 5 sets tie_word_embeddings on every T5Config, so with lm_head listed, `tie_weights()` and
+    `resize_token_embeddings` replace the trained lm_head with the input embedding."""
+    if isinstance(tied, dict):
+        return {k: v for k, v in tied.items() if k != "lm_head.weight"}
+    return [k for k in tied if k != "lm_head.weight"]
 
 
 class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
@@ -175,6 +202,7 @@ class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
 
     config_class = SynthesizerT5Config
     config: SynthesizerT5Config
+    _tied_weights_keys = _without_lm_head(T5ForConditionalGeneration._tied_weights_keys)
     # synthesized logits are computed here, not by an attention kernel: masks must be eager's additive floats
     _supports_sdpa = False
     _supports_flex_attn = False
