@@ -2,8 +2,9 @@
 weights, training data, steps, tokens seen, the run's evaluation results, and how to load and fine-tune it.
 
 Its `pipeline_tag` is `text-generation`: transformers 5 removed the `text2text-generation` task that T5 cards named
-(its pipeline says "use the text-generation pipeline"), and `pipeline("text-generation", model=FOLDER)` generates
-with an export in 4.57 and 5.x alike (logging that T5 is not among its causal LMs)."""
+(its pipeline says "use the text-generation pipeline"), and that pipeline generates with an export in 4.57 and 5.24
+alike (logging that T5 is not among its causal LMs): given the folder of a vanilla one, the loaded model of a
+Synthesizer one (for a folder it looks for a causal LM in auto_map)."""
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
