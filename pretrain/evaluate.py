@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         task, out = get_task(args.task), Path(args.output)
         check_evaluation_files(task, args.data, submission=True)
-        model, tokenizer = load_pretrained(args.export).to(device), Tokenizer(Path(args.export) / "spiece.model")
+        model, tokenizer = load_pretrained(args.export).to(device), Tokenizer(args.export)
         results = evaluate_task(model, tokenizer, task, args.data, args.method, args.batch, args.max_input_length,
                                 args.limit, out / "submission")
     except ValueError as e:

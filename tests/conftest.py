@@ -4,6 +4,8 @@ Each is built once per machine into the cache (~/.cache/synthesizer-pretrain/tes
 $SYNTHESIZER_CACHE) under a folder keyed on its inputs and on the code that builds it, so a change to
 the tokenizer or shard code rebuilds it and an unchanged suite reuses it. Building goes to a temporary
 folder that is renamed into place, so an interrupted build is never mistaken for a finished one.
+Also a second Python environment with the last transformers 4.x over the project's packages (exports must load
+in both major versions; tests/test_hf_versions.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +33,8 @@ pytest_plugins = ("tests.slurm_cluster",)  # one real SLURM cluster per session,
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_PIECES = 1000  # + 100 sentinels = 1100 ids: configs/tiny.yaml's vocab_size
 TOKENIZER_SAMPLE_BYTES = 1_000_000  # ~7 s of training; the whole 3 MB sample takes ~20 s for no test benefit
+# the last transformers 4.x and the tokenizers / huggingface_hub it accepts (tokenizers <= 0.23.0, hub < 1.0)
+TRANSFORMERS_4 = ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2")
 
 
 @dataclass(frozen=True)
@@ -113,3 +120,22 @@ def shards(c4_dir: Path, tokenizer_model: str, data_cache: Path) -> PreparedData
 
     folder = _build_once(data_cache / "test-fixtures" / f"shards-{key}", build)
     return PreparedData(train=str(folder / "train"), valid=str(folder / "valid"), tokenizer=tokenizer_model)
+
+
+@pytest.fixture(scope="session")
+def transformers4_python(data_cache: Path) -> Path:
+    """The interpreter of a virtual environment holding TRANSFORMERS_4 over the project's site-packages (a .pth
+    file adds them after its own, so its transformers shadows the pinned 5.x and torch is the project's). Built
+    with pip from PyPI once per machine and project environment (~40 s), keyed on both."""
+    project = str(Path(sysconfig.get_path("purelib")).resolve())  # worktrees may reach one venv through links
+    key = _key(TRANSFORMERS_4, project, sys.version, code=())
+
+    def build(tmp: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True)
+        own = Path(sysconfig.get_path("purelib", vars={"base": str(tmp), "platbase": str(tmp)}))
+        (own / "project.pth").write_text(f"import site; site.addsitedir({project!r})\n")
+        # pip (the project's, found through the .pth) installs into this environment and leaves the project's alone
+        subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        *TRANSFORMERS_4], check=True)
+
+    return _build_once(data_cache / "test-fixtures" / f"transformers4-{key}", build) / "bin" / "python"

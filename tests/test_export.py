@@ -143,6 +143,27 @@ def test_export_round_trip_bit_exact(tmp_path, saved_run):
     assert "trust_remote_code=True" in card
 
 
+def test_a_published_export_names_no_path_of_the_training_machine(tmp_path, saved_run, tokenizer_model):
+    # the run's folder, its data and its tokenizer live in absolute paths here; the export's text files say where
+    # the weights come from by names (run, checkpoint in it, the data's last two parts)
+    run_dir = tmp_path / "machine" / "runs" / "tiny"
+    shutil.copytree(saved_run[0], run_dir)
+    ckpt = run_dir / "checkpoints" / "step_1"
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["data"]["train"] = str(tmp_path / "machine" / "data" / "c4" / "shards")
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    _with_size_listed(ckpt, ckpt / "config.yaml")
+    out = export(run_dir, tmp_path / "export")
+    machine = [str(tmp_path), str(Path.home()), str(REPO), str(Path(tokenizer_model).parent)]
+    for f in out.iterdir():
+        if not f.name.endswith(".safetensors"):
+            assert not [m for m in machine if m.encode() in f.read_bytes()], f.name
+    source = json.loads((out / "config.json").read_text())["synthesizer"]["source"]
+    assert (source["run"], source["checkpoint"], source["data"]) == ("tiny", "checkpoints/step_1", "c4/shards")
+    card = (out / "README.md").read_text()
+    assert "- run: tiny\n" in card and "- checkpoint (in the run folder): checkpoints/step_1\n" in card
+
+
 def test_the_per_parameter_reader_equals_deepspeeds_consolidation(tmp_path, saved_run):
     # what the export streams, parameter by parameter, against DeepSpeed's zero_to_fp32 reading each TP rank's
     # files whole (it cannot read BF16_Optimizer's files: those are checked against the trained weights above)
@@ -300,7 +321,9 @@ def test_vanilla_export_is_plain_huggingface_t5(tmp_path, tokenizer_model):
     assert type(hf) is T5ForConditionalGeneration
     _assert_same_as_ours(ours, hf)
     assert json.loads((out / "generation_config.json").read_text()) | {"transformers_version": None} == {
-        "decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, "transformers_version": None}
+        "decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, "max_length": cfg.max_length,
+        "transformers_version": None}
+    assert config["tie_word_embeddings"] is False  # v1.1's own lm_head: transformers 4 ties and rescales on true
     assert "T5ForConditionalGeneration.from_pretrained" in (out / "README.md").read_text()
     text = "The quick brown fox <extra_id_0> over 12 lazy dogs."
     expected = Tokenizer(tokenizer_model).encode(text) + [1]
@@ -365,7 +388,12 @@ def test_pure_synthesizer_layers_round_trip(tmp_path, tokenizer_model):
     _overwrite_middle(out / "model.safetensors")
     with pytest.raises(UsageError, match=rf"export {out} is damaged: model.safetensors \(checksum mismatch\); export"):
         load_pretrained(out)
+    (out / "model.safetensors").write_bytes(weights[:8] + b"x" * 32 + weights[40:])  # a header safetensors can't read
+    with pytest.raises(UsageError, match=rf"export {out} is damaged: model.safetensors \(checksum mismatch\); export"):
+        load_pretrained(out)
     (out / "model.safetensors").write_bytes(weights)
-    (out / "spiece.model").unlink()
-    with pytest.raises(ValueError, match="spiece.model is missing"):
+    (out / "spiece.model").unlink()  # HF's tokenizer.json stands in for it (a folder HF saved back has no other)
+    load_pretrained(out)
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer: neither spiece.model nor HuggingFace's tokenizer.json"):
         load_pretrained(out)

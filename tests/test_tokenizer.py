@@ -6,6 +6,7 @@ import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -66,6 +67,27 @@ def test_train_writes_t5_layout_from_a_byte_budget(c4_dir, tmp_path):
     model = train(files, tmp_path, vocab_size=300, max_bytes=150_000, seed=0)
     tok = Tokenizer(model)
     assert (tok.num_pieces, tok.num_ids) == (300, 400)
+    assert str(tmp_path).encode() not in model.read_bytes()  # exports ship it: no path of this machine inside
+
+
+def test_huggingface_tokenizer_json_gives_the_spiece_ids(tokenizer_model, c4_dir, tmp_path):
+    # a folder HF saved (a Trainer's save_model under transformers 5) has tokenizer.json and no spiece.model
+    from pretrain.transfer.hf_files import write_tokenizer
+
+    write_tokenizer(Path(tokenizer_model), tmp_path, 64)  # an export's tokenizer files
+    (tmp_path / "spiece.model").unlink()
+    ours, hf = Tokenizer(tokenizer_model), Tokenizer(tmp_path)
+    assert hf.path.name == "tokenizer.json"
+    assert (hf.num_pieces, hf.num_ids, hf.pad_id, hf.eos_id, hf.unk_id) == (1000, 1100, 0, 1, 2)
+    with gzip.open(c4_dir / "c4-validation.00000-of-00001.json.gz", "rt") as f:
+        texts = [json.loads(line)["text"] for line in f][:50]
+    texts += ["fox <extra_id_0> over  12 <extra_id_99>x", "émigré naïve \U0001F600 \u2047", "", "  padded  "]
+    assert hf.encode_batch(texts) == ours.encode_batch(texts)
+    assert [hf.encode(t) for t in texts] == [ours.encode(t) for t in texts]
+    assert [hf.decode(ours.encode(t)) for t in texts] == [ours.decode(ours.encode(t)) for t in texts]
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer: neither spiece.model nor HuggingFace's tokenizer.json"):
+        Tokenizer(tmp_path)
 
 
 def test_cli_glob_matching_nothing_is_one_line(tmp_path):

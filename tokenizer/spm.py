@@ -2,6 +2,8 @@
 
 Layout as T5 (and HuggingFace `T5Tokenizer(extra_ids=100)`): the model file holds the pieces, pad 0,
 eos 1, unk 2, no BOS; `<extra_id_0>` is id num_pieces + 99 (the highest), `<extra_id_99>` is num_pieces.
+A folder without spiece.model (one saved by HF's Trainer under transformers 5) is read from its tokenizer.json
+(`tokenizer.hf`): the same pieces and ids.
 """
 from __future__ import annotations
 
@@ -15,7 +17,19 @@ from pretrain.core.config import UsageError
 
 NUM_SENTINELS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+SPIECE, HF_TOKENIZER = "spiece.model", "tokenizer.json"
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+
+def tokenizer_file(folder: str | Path) -> Path:
+    """A model folder's tokenizer: its spiece.model, else the tokenizer.json HF writes (a Trainer's save_model,
+    or save_pretrained under transformers 5, writes no spiece.model)."""
+    folder = Path(folder)
+    for name in (SPIECE, HF_TOKENIZER):
+        if (folder / name).is_file():
+            return folder / name
+    raise UsageError(f"{folder} has no tokenizer: neither {SPIECE} nor HuggingFace's {HF_TOKENIZER} (make one with "
+                     "python -m pretrain.export, or save the tokenizer beside the model)")
 
 
 class Tokenizer:
@@ -26,15 +40,23 @@ class Tokenizer:
     unk_id = UNK_ID
 
     def __init__(self, path: str | Path):
+        """`path`: a spiece.model, a HuggingFace tokenizer.json, or a folder holding one (`tokenizer_file`)."""
         path = Path(path)
+        if path.is_dir():
+            path = tokenizer_file(path)
         if not path.is_file():
             raise UsageError(f"tokenizer model not found: {path}; train one with `python -m tokenizer.train`")
         self.path = path
-        try:
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        except (RuntimeError, OSError) as e:  # sentencepiece's parse error for a file of another kind
-            raise UsageError(f"{path} is not a SentencePiece model ({str(e).strip().splitlines()[0]}); point "
-                             "data.tokenizer at the spiece.model of `python -m tokenizer.train`") from None
+        if path.name == HF_TOKENIZER:
+            from tokenizer.hf import HFPieces
+
+            self.sp = HFPieces(path)
+        else:
+            try:
+                self.sp = spm.SentencePieceProcessor(model_file=str(path))
+            except (RuntimeError, OSError) as e:  # sentencepiece's parse error for a file of another kind
+                raise UsageError(f"{path} is not a SentencePiece model ({str(e).strip().splitlines()[0]}); point "
+                                 "data.tokenizer at the spiece.model of `python -m tokenizer.train`") from None
         got = (self.sp.pad_id(), self.sp.eos_id(), self.sp.unk_id(), self.sp.bos_id())
         if got != (PAD_ID, EOS_ID, UNK_ID, -1):
             raise UsageError(

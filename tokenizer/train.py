@@ -4,11 +4,13 @@ Trains a unigram model on text streamed from input files (C4 json.gz, other JSON
 pretrain/data/documents.py): files are visited in a seeded random order and whole documents are taken until
 `--max-bytes` of text is collected (C4 files are already shuffled, so this is a random sample with memory
 bounded by the budget). Ids as T5: pad 0, eos 1, unk 2, no BOS; the 100 sentinels are added on top by
-`tokenizer.spm.Tokenizer`, as T5 and HuggingFace do. Writes DIR/spiece.model (and spiece.vocab).
+`tokenizer.spm.Tokenizer`, as T5 and HuggingFace do. Writes DIR/spiece.model, which names no path of this
+machine (sentencepiece would record its output path in it: exports ship the file).
 """
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import random
 import re
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from pretrain.core.config import UsageError
 from pretrain.data.documents import InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents
-from tokenizer.spm import EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from tokenizer.spm import EOS_ID, PAD_ID, SPIECE, UNK_ID, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +79,10 @@ def train(
     output.mkdir(parents=True, exist_ok=True)
     bad: Counter = Counter()
     spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=sample_lines(files, max_bytes, seed, bad, layout),
-        model_prefix=str(output / "spiece"),
+        model_writer=model,  # not model_prefix=DIR/spiece, which the model file would hold as trainer_spec.model_prefix
         model_type="unigram",
         vocab_size=vocab_size,
         character_coverage=character_coverage,
@@ -89,9 +92,10 @@ def train(
         num_threads=num_threads,
         minloglevel=2,
     )
+    (output / SPIECE).write_bytes(model.getvalue())
     if sum(bad.values()):
         log.warning("skipped bad input: %s", dict(bad))
-    return output / "spiece.model"
+    return output / SPIECE
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,10 +27,15 @@ from pretrain.core.manifest import mismatched
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
 from pretrain.model.t5 import T5Model
+from tokenizer.spm import SPIECE, tokenizer_file
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, INDEX, CONFIG, SPIECE = "model.safetensors", "model.safetensors.index.json", "config.json", "spiece.model"
+WEIGHTS, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+# The export marks its weights files (safetensors metadata) and names the mark in config.json: files without it were
+# written since by another tool (HF's save_pretrained, a Trainer's save_model), which keeps config.json's
+# `synthesizer` section, checksums included, but not the weights those checksums are of
+EXPORT_MARK = {"written_by": "pretrain.export"}
 LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.attn\.(.+)$")  # our self-attention parameters
 # HF config keys that no tensor shape shows but that change the function: (HF key, our key, T5 v1.1's value)
 _FUNCTION_KEYS = (("relative_attention_max_distance", "relative_attention_max_distance"),
@@ -67,19 +72,35 @@ def _config_json(folder: Path) -> dict:
 
 def export_config(folder: str | Path) -> ModelConfig:
     """The model config of one of our exports (its config.json's `synthesizer.model`), after checking the crc32 of
-    its weights and tokenizer files against the ones it lists."""
+    its weights and tokenizer files against the ones it lists. A folder saved from an export by HF's
+    `save_pretrained` or Trainer (weights without the export's mark; the tokenizer perhaps as tokenizer.json alone)
+    is read too: the export's checksums are not of its files."""
     folder = Path(folder)
     config = _config_json(folder)
-    if not (folder / SPIECE).is_file():
-        raise UsageError(f"{folder} is not an export folder: {SPIECE} is missing (make one with python -m pretrain.export)")
     if "synthesizer" not in config:
         raise UsageError(f"{folder / CONFIG} has no 'synthesizer' section: not written by pretrain.export")
-    weight_files(folder)  # every weights file is there
-    if "files" not in config["synthesizer"]:
+    tokenizer_file(folder)
+    weights = weight_files(folder)  # every weights file is there
+    section = config["synthesizer"]
+    resaved = [f.name for f in weights if "weights_mark" in section and not _marked(f, section["weights_mark"])]
+    if "files" not in section:
         log.warning("%s lists no checksums (exported before they were recorded): its files are not checked", folder)
-    elif damaged := mismatched(folder, config["synthesizer"]["files"]):
+    elif resaved:
+        log.info("%s: %s saved since the export (not by pretrain.export): the export's checksums are not checked",
+                 folder, ", ".join(resaved))
+    elif damaged := mismatched(folder, section["files"], [n for n in section["files"] if (folder / n).is_file()]):
         raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
-    return ModelConfig(**config["synthesizer"]["model"])
+    return ModelConfig(**section["model"])
+
+
+def _marked(file: Path, mark: dict[str, str]) -> bool:
+    """Whether the export wrote `file`; a header safetensors cannot read counts as the export's: the checksums
+    then name the file as damaged."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return mark.items() <= (f.metadata() or {}).items()
+    except Exception:  # safetensors' own error types for a damaged header
+        return True
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ unpickled with `weights_only=True`, DeepSpeed's own reads included: a checkpoint
 Output (written to OUT.tmp, renamed to OUT only when complete, removed on a failure such as a full disk): the weights in HuggingFace's T5 names as
 `model.safetensors`, or above `--max-shard-size` as `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`; `config.json` (HF's config plus `synthesizer`: our model config, the learned
-mixture weights, the source checkpoint, the crc32 of the weights and tokenizer files, which `export_config`
-checks); `generation_config.json`; `README.md` (the model card); `spiece.model` (the tokenizer the model was
-trained with: the checkpoint's copy, checked against the sha256 in its inputs.json), `tokenizer.json` and
-`tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). Vanilla models are plain
+mixture weights, the source run and checkpoint by name, the crc32 of the weights and tokenizer files, which
+`export_config` checks); `generation_config.json`; `README.md` (the model card); `spiece.model` (the tokenizer the
+model was trained with: the checkpoint's copy, checked against the sha256 in its inputs.json), `tokenizer.json` and
+`tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). The HF files are written by
+`pretrain.transfer.hf_files` so that transformers 4.57 and 5.x read them alike. Vanilla models are plain
 HF T5 (model_type "t5"). A Synthesizer model is model_type "synthesizer_t5" with `auto_map` and the remote code
 of `pretrain/model/hf_synthesizer/` copied in, so `AutoModelForSeq2SeqLM.from_pretrained(OUT,
 trust_remote_code=True)` runs it (and without trust_remote_code transformers refuses it); its extra parameters
@@ -45,7 +46,6 @@ from typing import Callable
 import torch
 import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
-from transformers import GenerationConfig
 
 from pretrain.runtime.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.core.config import ModelConfig, UsageError
@@ -53,8 +53,10 @@ from pretrain.core.manifest import check_intact, complete_steps, describe, tag_f
 from pretrain.model import T5Model, build_local_model, full_state_dict
 from pretrain.model.hf_convert import Target, hf_config, hf_targets, vanilla_layout
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
-from pretrain.model.pretrained import LAYER, SPIECE, export_config, load_weights, self_attention_hf_name
+from pretrain.model.pretrained import (EXPORT_MARK, LAYER, SPIECE, export_config, load_weights,
+                                       self_attention_hf_name)
 from pretrain.model.sharding import VOCAB_PARAMETERS
+from pretrain.transfer.hf_files import write_config, write_generation_config, write_tokenizer
 from pretrain.transfer.model_card import model_card
 from pretrain.core.progress import progress
 from pretrain.transfer.weights_writer import WeightsWriter
@@ -231,14 +233,6 @@ def export_tensors(name: str, t: torch.Tensor, targets: dict[str, Target]) -> di
 # --------------------------------------------------------------------------------------------------------
 # Writing and reading the export folder
 # --------------------------------------------------------------------------------------------------------
-def write_tokenizer(spiece: Path, out: Path) -> None:
-    """spiece.model plus the files HF's T5 tokenizer expects (converted once here, not on every load)."""
-    from transformers import T5Tokenizer
-
-    shutil.copyfile(spiece, out / SPIECE)
-    T5Tokenizer.from_pretrained(str(out), extra_ids=100).save_pretrained(str(out))
-
-
 def write_export(model: T5Model, spiece: Path, output: Path, dtype: torch.dtype = torch.float32,
                  source: dict | None = None, max_shard_size: int | str = MAX_SHARD_SIZE,
                  weights: dict[str, Reader] | None = None) -> Path:
@@ -308,14 +302,14 @@ def _write_folder(model: T5Model, weights: dict[str, Reader], spiece: Path, tmp:
         }
     else:
         config.architectures = ["T5ForConditionalGeneration"]
-    write_tokenizer(spiece, tmp)
+    write_tokenizer(spiece, tmp, cfg.max_length)
     # sizes and crc32 of the weights and the tokenizer, checked by pretrained.export_config (fine-tuning, evaluation)
     files = describe(tmp, [*written, tmp / SPIECE])
     config.synthesizer = {"model": dataclasses.asdict(cfg), "mixture_weights": mixture, "source": source or {},
-                          "files": files}
+                          "files": files, "weights_mark": EXPORT_MARK}
     config.dtype = str(dtype).removeprefix("torch.")
-    config.save_pretrained(str(tmp))
-    GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp))
+    write_config(config, tmp)
+    write_generation_config(tmp, cfg.max_length)
     num_params = sum(p.numel() for p in model.parameters())  # TP = 1: the full model
     (tmp / CARD).write_text(model_card(cfg, num_params, mixture, source or {}, output_name))
 
@@ -360,14 +354,23 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     weights = read_checkpoint(ckpt, model, trainer["tp"])
     # the mixture logits (a few numbers a layer), for the config's and the model card's mixture weights
     model.load_state_dict({k: weights[k]() for k in weights if k.endswith(".mix")}, strict=False, assign=True)
-    source = {
-        "checkpoint": str(ckpt.resolve()), "step": trainer["step"], "tokens_seen": trainer.get("tokens_seen"),
-        "tp": trainer["tp"], "dp": trainer["dp"], "evaluation": _evaluation(run_dir, trainer["step"]),
-        # pretraining shards (data.train) or a fine-tuning task (task.name); no credentials of a URL
-        "data": _CREDENTIALS.sub("//", str(saved.get("data", {}).get("train") or saved.get("task", {}).get("name", ""))),
+    source = {  # published with the export: names, never the training machine's absolute paths
+        "run": run_dir.resolve().name, "checkpoint": str(ckpt.relative_to(run_dir)), "step": trainer["step"],
+        "tokens_seen": trainer.get("tokens_seen"), "tp": trainer["tp"], "dp": trainer["dp"],
+        "evaluation": _evaluation(run_dir, trainer["step"]),
+        # pretraining shards (data.train) or a fine-tuning task (task.name)
+        "data": _published(str(saved.get("data", {}).get("train") or saved.get("task", {}).get("name", ""))),
     }
     return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source,
                         max_shard_size, weights)
+
+
+def _published(location: str) -> str:
+    """A data location fit for a public model card: a URL without credentials; an absolute local path without the
+    machine's folders above its last two parts (`/scratch/alice/c4/shards` -> `c4/shards`)."""
+    if "://" in location or location.startswith("pipe:"):
+        return _CREDENTIALS.sub("//", location)
+    return str(Path(*Path(location).parts[-2:])) if Path(location).is_absolute() else location
 
 
 def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
@@ -386,8 +389,9 @@ def _trained_tokenizer(ckpt: Path, configured: Path) -> Path:
 
 
 def load_pretrained(folder: str | Path) -> T5Model:
-    """Our model (TP = 1, CPU, eval mode) from an export folder; `model(input_ids=..., attention_mask=...,
-    decoder_input_ids=...)` returns an object with `.logits`."""
+    """Our model (TP = 1, CPU, eval mode) from an export folder, or from one that HF's `save_pretrained` or
+    Trainer saved from an export (tokenizer.json in place of spiece.model); `model(input_ids=...,
+    attention_mask=..., decoder_input_ids=...)` returns an object with `.logits`."""
     model = build_local_model(export_config(folder), device="meta").to_empty(device="cpu")
     load_weights(model, folder, strict=True)  # one parameter at a time into the model's own memory
     return model.eval()

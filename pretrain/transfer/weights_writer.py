@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from pretrain.model.pretrained import INDEX
+from pretrain.model.pretrained import EXPORT_MARK, INDEX
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -57,7 +57,7 @@ class WeightsWriter:
 
 def _header(tensors: dict[str, torch.Tensor]) -> bytes:
     """The header of a safetensors file holding `tensors` back to back in this order."""
-    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    entries, offset = {"__metadata__": {"format": "pt", **EXPORT_MARK}}, 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
         entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}

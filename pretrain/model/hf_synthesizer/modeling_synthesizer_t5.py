@@ -7,18 +7,36 @@ by softmax(mix) (one vector per layer, or one per head) when there are several: 
 the synthesizers build logits for the maximum length N (`synthesizer_length`) and slice them to the query
 rows [start, start + n) and the first m key columns. Then T5's relative position bias and the mask are
 added, softmax in fp32, times the values. Incremental decoding caches keys and values in HF's cache, whose
-length is the position offset `start` of the synthesized rows.
+length is the position offset `start` of the synthesized rows. Runs on transformers 4.46 to 5.x, whose T5 calls
+self-attention in several ways (`_CACHE`, `_FOLDS_MASK` below).
 """
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from .configuration_synthesizer_t5 import SynthesizerT5Config
+
+# How this transformers' T5 calls self-attention, told by its T5Attention.forward's parameters (measured on 4.46 to
+# 5.24, docs/transfer.md):
+#   with `output_attentions` (up to 5.10 at least): the first layer folds the mask into the bias it returns, which
+#     the stack hands the later layers as position_bias; it takes (output, bias) back, plus the weights when asked,
+#     and before 4.56 (a `past_key_value` argument) the cache between: (output, cache, bias[, weights]);
+#   without (5.15 on): the stack adds the mask in every layer and takes (output, bias, weights) back.
+# The cache comes as `cache` (5.24), `past_key_values` or `past_key_value`.
+_PARAMETERS = inspect.signature(T5Attention.forward).parameters
+_CACHE = next((name for name in ("cache", "past_key_values", "past_key_value") if name in _PARAMETERS), None)
+_FOLDS_MASK = "output_attentions" in _PARAMETERS
+_OLDEST = (4, 46)  # the oldest release measured to give this model's logits
+if _CACHE is None or tuple(int(part) for part in transformers.__version__.split(".")[:2]) < _OLDEST:
+    raise ImportError(f"this Synthesizer export runs on transformers 4.46 or later (measured up to 5.24); this is "
+                      f"transformers {transformers.__version__}")
 
 
 def factor_pair(n: int) -> tuple[int, int]:
@@ -114,7 +132,8 @@ class SynthesizerT5Attention(T5Attention):
 
     def __init__(self, config: SynthesizerT5Config, mixers: tuple[str, ...], has_relative_attention_bias: bool,
                  layer_idx: int) -> None:
-        super().__init__(config, has_relative_attention_bias, layer_idx, is_causal=config.is_decoder)
+        super().__init__(config, has_relative_attention_bias, layer_idx)
+        self.is_causal = config.is_decoder  # later transformers take it as an argument, earlier ones do not know it
         self.mixers = mixers
         self.max_length = config.synthesizer_length
         if "vanilla" not in mixers:
@@ -132,8 +151,11 @@ class SynthesizerT5Attention(T5Attention):
         for module in self.modules():
             module._is_hf_initialized = True
 
-    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
-        """hidden_states [b, n, d]; mask additive [b, 1, n, m] or None; cache: decoding (keys/values so far)."""
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, layer_head_mask=None,
+                output_attentions=False, cache_position=None, **kwargs):
+        """hidden_states [b, n, d]; mask additive [b, 1, n|1, >=m] or None; kwargs[_CACHE]: when decoding, the
+        cache of the keys/values so far."""
+        cache = kwargs.pop(_CACHE, None)
         b, n, _ = hidden_states.shape
         start = int(cache.get_seq_length(self.layer_idx)) if cache is not None else 0
         if self.synth and start + n > self.max_length:
@@ -147,14 +169,18 @@ class SynthesizerT5Attention(T5Attention):
             k = self.k(hidden_states).view(shape).transpose(1, 2)
         if cache is not None:
             self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            cache_kwargs = {"cache_position": cache_position} if _FOLDS_MASK else kwargs
             # without dot-product keys the values fill the key slot too: HF's caches count positions by their keys
-            k, v = self_cache.update(v if k is None else k, v, self.layer_idx, kwargs=kwargs)
+            k, v = self_cache.update(v if k is None else k, v, self.layer_idx, cache_kwargs)
         m = v.shape[2]
         if position_bias is None:  # the first layer computes it, the stack shares it with the others
-            if self.has_relative_attention_bias:
-                position_bias = self.compute_bias(n, m, device=v.device, past_seen_tokens=start)
+            if self.has_relative_attention_bias:  # rows of the positions [start, start + n)
+                position_bias = self.compute_bias(start + n, m, device=v.device)[:, :, -n:]
             else:
                 position_bias = torch.zeros(1, self.n_heads, n, m, device=v.device, dtype=v.dtype)
+            if _FOLDS_MASK and mask is not None:
+                position_bias = position_bias + mask[..., :m]
+        additive = position_bias if _FOLDS_MASK or mask is None else position_bias + mask
         alpha = torch.softmax(self.mix, dim=-1) if len(self.mixers) > 1 else None  # [k] or [heads, k]
         logits = 0
         for i, name in enumerate(self.mixers):
@@ -162,12 +188,25 @@ class SynthesizerT5Attention(T5Attention):
             if alpha is not None:
                 s = s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = logits + s  # [b|1, heads, n, m]
-        additive = position_bias if mask is None else position_bias + mask
         wide = torch.promote_types(v.dtype, torch.float32)  # bf16 logits lose the differences that decide
         probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)
         probs = F.dropout(probs, self.dropout, training=self.training)
-        out = (probs @ v).transpose(1, 2).reshape(b, n, -1)  # [b, n, heads * d_kv]
-        return self.o(out), position_bias, probs
+        if layer_head_mask is not None:  # head_mask of the transformers 4 releases
+            probs = probs * layer_head_mask
+        out = self.o((probs @ v).transpose(1, 2).reshape(b, n, -1))  # [b, n, d] from [b, n, heads * d_kv]
+        if not _FOLDS_MASK:
+            return out, position_bias, probs
+        weights = (probs,) if output_attentions else ()
+        return (out, cache, position_bias, *weights) if _CACHE == "past_key_value" else (out, position_bias, *weights)
+
+
+def _without_lm_head(tied: dict | list) -> dict | list:
+    """T5's tied weights less lm_head (a dict in transformers 5, a list in 4): v1.1's output embedding is its own.
+    transformers 5 sets tie_word_embeddings on every T5Config, so with lm_head listed, `tie_weights()` and
+    `resize_token_embeddings` replace the trained lm_head with the input embedding."""
+    if isinstance(tied, dict):
+        return {k: v for k, v in tied.items() if k != "lm_head.weight"}
+    return [k for k in tied if k != "lm_head.weight"]
 
 
 class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
@@ -175,6 +214,7 @@ class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
 
     config_class = SynthesizerT5Config
     config: SynthesizerT5Config
+    _tied_weights_keys = _without_lm_head(T5ForConditionalGeneration._tied_weights_keys)
     # synthesized logits are computed here, not by an attention kernel: masks must be eager's additive floats
     _supports_sdpa = False
     _supports_flex_attn = False
