@@ -34,6 +34,14 @@ def test_precedence_defaults_file_overrides():
         (["train.warmup_steps=-1"], "train.warmup_steps (-1) must be >= 0"),
         (["parallel.tensor=0"], "parallel.tensor (0) must be >= 1"),
         (["data.workers=-1"], "data.workers (-1) must be >= 0"),
+        # span corruption's bounds: 1.5 hung the trainer and the planner, the others were tracebacks
+        (["data.noise_density=1.5"], "data.noise_density (1.5) must be > 0 and < 1: the share of each chunk's tokens"),
+        (["data.noise_density=0"], "data.noise_density (0.0) must be > 0 and < 1"),
+        (["data.noise_density=-0.2"], "data.noise_density (-0.2) must be > 0 and < 1"),
+        (["data.mean_noise_span_length=0"], "data.mean_noise_span_length (0.0) must be >= 1: the mean length"),
+        (["data.max_damaged_share=1.5"], "data.max_damaged_share (1.5) must be >= 0 and <= 1"),
+        (["data.http_timeout_s=0"], "data.http_timeout_s (0.0) must be > 0"),
+        (["data.http_retries=-1"], "data.http_retries (-1) must be >= 0"),
         (["log.every=0"], "log.every (0) must be >= 1"),
         (["run.dir="], "run.dir is empty; name the run folder"),
         (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "

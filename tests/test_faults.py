@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,11 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from launch import run as launch_run
+from pretrain.data.loader import build_train_loader
+from pretrain.data.stream import epoch_shards
 from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.distributed import _free_port, launch_like_srun, run_distributed
-from tests.test_train import COMMON, REPO, TINY, data_overrides
+from tests.test_loader import cut_shards
+from tests.test_metrics import read_metrics
+from tests.test_train import COMMON, REPO, TINY, _train_each, data_overrides, losses
 
 PEER_LINE = "another rank failed first"
 
@@ -99,8 +105,61 @@ def test_no_readable_data_is_one_line_on_every_rank(shards, tmp_path):
     assert [code for code, _ in results] == [EXIT_USAGE, EXIT_USAGE]
     for _, err in results:
         line = [l for l in err.splitlines() if "error:" in l]
-        assert len(line) == 1 and "has no readable data" in line[0], err[-2000:]
+        assert len(line) == 1 and "error: no readable data in any of the 8 shards" in line[0], err[-2000:]
         assert "Traceback" not in err
+
+
+def _cut_data(shards, cut: Path, *extra: str) -> list[str]:
+    return [f"data.train={cut}", f"data.valid={shards.valid}", f"data.tokenizer={shards.tokenizer}", *extra]
+
+
+def test_damaged_shards_are_skipped_and_the_run_keeps_its_one_data_order(shards, tmp_path):
+    # the issue's case: 8 shards (so 8 streams), every other one cut to a quarter: each is the only shard of its
+    # stream in some epoch, which stopped the run ("data stream 0 has no readable data"). A 2-rank job with a
+    # loader worker per rank trains to the end, naming the shards and the share lost; its step 4 resumed on one
+    # rank (other micro batch, no worker) trains on the same examples: the same losses
+    cut = cut_shards(shards, tmp_path / "cut", [1, 3, 5, 7])
+    data = _cut_data(shards, cut, "data.max_damaged_share=0.6")
+    run = tmp_path / "dp2"
+    results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
+                               ["--config", TINY, f"run.dir={run}", *COMMON, *data, "data.workers=1"], cwd=REPO)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    warned = "".join(err for _, err in results)
+    assert "damaged shards skipped: " in warned and "of data.train's documents lost (data.max_damaged_share 0.6)" \
+        in warned and "Traceback" not in warned
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
+    resumed = tmp_path / "dp1"
+    assert run_distributed(_train_each, 1, [(str(resumed), [*COMMON, *data, "data.workers=0", "train.micro_batch=2",
+                                                            f"checkpoint.resume={run}/checkpoints/step_4"],
+                                             None)]) == [[0]]
+    torch.testing.assert_close(losses(resumed), losses(run)[4:], rtol=1e-5, atol=0)
+
+
+# the one line of a refusal of two cut shards of the fixture's eight (each ~1/8 of the documents)
+DAMAGE_REFUSED = (r"pretrain\.train: error: damaged shards lost 2\d\.\d% of data\.train, more than "
+                  r"data\.max_damaged_share \(0\.2\): .*/shard-\d+\.tar \(0 of \d+ documents read\), "
+                  r".*/shard-\d+\.tar \(0 of \d+ documents read\); repair them or prepare them again, or raise "
+                  r"data\.max_damaged_share to train on the rest")
+
+
+def _cut_for_rank(shards, folder: Path, rank: int) -> Path:
+    """The fixture's shards with the epoch-0 shards of two of DP rank `rank`'s streams (of 2 DP ranks) cut: that
+    rank alone finds 25% of the documents lost, more than data.max_damaged_share's 0.2, at its first batch."""
+    spec = build_train_loader(shards.config(), seed=1234, dp_rank=0, dp_size=1, micro_batch=4).spec  # tiny's seed
+    return cut_shards(shards, folder, [int(Path(epoch_shards(spec, 0, s)[0]).stem[6:]) for s in (rank, rank + 2)])
+
+
+def test_a_usage_error_found_by_one_rank_ends_every_rank_with_its_line(shards, tmp_path):
+    # rank 0 alone refuses the damage (srun's launch: rank 0 serves the job's store): rank 1, whose collective
+    # fails, ends with the same line and exit 2, not "a collective failed" and exit 1
+    cut = _cut_for_rank(shards, tmp_path / "cut", rank=0)
+    results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
+                               _argv(tmp_path / "run", shards, *_cut_data(shards, cut)), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_USAGE, EXIT_USAGE], results[1][1][-3000:]
+    lines = [[line for line in err.splitlines() if line.startswith("pretrain.train: ")] for _, err in results]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert re.fullmatch(DAMAGE_REFUSED, lines[0][0]), lines[0][0]
+    assert not any("Traceback" in err for _, err in results)
 
 
 def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
@@ -221,6 +280,28 @@ def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
     launcher = _launch(run_dir, shards, "train.exit_after=-1")
     assert launcher.wait(timeout=HANG_S) == EXIT_USAGE
     assert _last_line(run_dir) == "pretrain.train: error: train.exit_after (-1) must be >= 0"
+
+
+def test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints(shards, tmp_path):
+    # before: rank 0's "a collective failed (...)" was the last line and the launcher exited 1
+    run_dir = tmp_path / "run"
+    cut = _cut_for_rank(shards, tmp_path / "cut", rank=1)
+    launcher = _launch(run_dir, shards, *_cut_data(shards, cut))
+    assert launcher.wait(timeout=HANG_S) == EXIT_USAGE, (tmp_path / "stderr").read_text()[-3000:]
+    assert re.fullmatch(DAMAGE_REFUSED, _last_line(run_dir)), _last_line(run_dir)
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+def test_a_vocabulary_below_the_tokenizer_is_one_line_on_every_rank(shards, tmp_path):
+    # with_vocab runs before the job's checks: its ValueError was a traceback on every rank. Every rank raises it
+    # at once, so none waits for the others to read it
+    results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
+                               _argv(tmp_path / "run", shards, "model.vocab_size=1000"), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_USAGE, EXIT_USAGE]
+    for _, err in results:
+        assert [line for line in err.splitlines() if line.startswith("pretrain.train: ")] == [
+            "pretrain.train: error: model.vocab_size (1000) is smaller than the tokenizer's 1100 ids; set it to 0 "
+            "(the tokenizer's) or at least 1100"], err[-3000:]
 
 
 # rank 1 crashes (NCCL's watchdog ends a rank with std::abort) while rank 0, preempted, saved and exits 75

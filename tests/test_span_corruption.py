@@ -135,3 +135,17 @@ def test_deterministic_given_the_generator_and_bad_lengths():
         span_corrupt(tokens[:1], np.random.default_rng(0), vocab_size=1100, eos_id=1)
     with pytest.raises(ValueError, match="input_length"):
         input_and_target_lengths(1)
+
+
+@pytest.mark.parametrize("density, mean", [(1.5, 3.0), (1.0, 3.0), (0.0, 3.0), (-0.1, 3.0), (0.15, 0.0), (0.15, 0.5)])
+def test_lengths_refuse_what_no_raw_length_fits(density, mean):
+    # density 1.5 made the search for the raw length loop forever (inputs shrink as raw grows); 0 or a negative
+    # density, or spans shorter than a token, divided by zero or failed deep inside the corruption
+    with pytest.raises(ValueError, match=r"noise_density \(.*\) must be in \(0, 1\) and mean_noise_span_length"):
+        input_and_target_lengths(512, density, mean)
+
+
+def test_the_bounded_search_finds_the_longest_chunk_near_density_1():
+    # the search stops at input_length / (1 - density) + 2, past every raw length whose inputs fit
+    raw, _ = input_and_target_lengths(64, 0.99, 3.0)
+    assert raw == max(t for t in range(1, 64 * 100) if t5_lengths(t, 0.99, 3.0)[0] <= 64) == 186

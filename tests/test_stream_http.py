@@ -1,22 +1,29 @@
 """Shards over HTTP from a real loopback server that fails: the first two requests get 503, the third
 response is cut off half way; the reads retry with backoff, resume where they stopped (with and without
 Range support on the server) and return exactly the packs of the local file. Credentials in the URL are sent
-to the server but appear in no log line and no error message."""
+to the server but appear in no log line and no error message. A server that accepts and never answers costs
+data.http_timeout_s per attempt and data.http_retries retries."""
 from __future__ import annotations
 
 import base64
 import http.server
 import logging
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from pretrain.core.config import DataConfig, UsageError
+from pretrain.data.loader import build_train_loader
 from pretrain.core.redact import redact
+from pretrain.data.remote import Retry
 from pretrain.data.shards import read_packs
 from pretrain.data.stream import StreamSpec, _read_checked
 
 USER, PASSWORD, TOKEN = "alice", "s3cr3t-pass", "t0ken-value"
+RETRY = Retry(DataConfig.http_timeout_s, DataConfig.http_retries)  # the defaults
 
 
 class FlakyServer(http.server.ThreadingHTTPServer):
@@ -68,7 +75,7 @@ def test_reads_retry_and_resume_to_the_exact_packs(flaky, shards, caplog):
     server, base = flaky
     caplog.set_level(logging.WARNING)
     errors: list[Exception] = []
-    got = list(read_packs(f"{base}/shard-000000.tar?token={TOKEN}", errors.append))
+    got = list(read_packs(f"{base}/shard-000000.tar?token={TOKEN}", errors.append, RETRY))
     local = list(read_packs(f"{shards.train}/shard-000000.tar", errors.append))
     assert errors == [] and len(got) == len(local) >= 1
     assert all({**g, "__url__": ""} == {**l, "__url__": ""} for g, l in zip(got, local))
@@ -87,9 +94,9 @@ def test_a_failing_shard_is_reported_without_its_credentials(flaky, caplog):
     url = f"{base}/missing.tar?token={TOKEN}"
     spec = StreamSpec(shards=(url,), seed=0, num_streams=1, raw_length=8, input_length=8, target_length=4,
                       block_chunks=1, num_ids=1100, eos_id=1, noise_density=0.15, mean_noise_span_length=3.0,
-                      expected_docs=None)
-    damaged = [0]
-    assert list(_read_checked(spec, url, 0, damaged)) == [] and damaged == [1]
+                      expected_docs=None, retry=RETRY)
+    damaged = {}
+    assert list(_read_checked(spec, url, 0, damaged)) == [] and damaged == {0: 0}
     [line] = [r.getMessage() for r in caplog.records]
     assert line == (f"skipping the rest of damaged shard http://***@127.0.0.1:{server.server_address[1]}"
                     f"/missing.tar?token=***: http://***@127.0.0.1:{server.server_address[1]}/missing.tar?token=***: "
@@ -100,3 +107,44 @@ def test_redact_hides_user_info_and_query_values():
     text = "failed https://u:p@host:8/a/b.tar?sig=x&X-Amz-Credential=y and http://h/c.tar, pipe:cat d.tar"
     hidden = "failed https://***@host:8/a/b.tar?sig=***&X-Amz-Credential=*** and http://h/c.tar, pipe:cat d.tar"
     assert redact(text) == hidden and redact(hidden) == hidden
+
+
+@pytest.fixture
+def silent_server():
+    """A loopback server that accepts every connection and never answers (a hung proxy or storage node); yields
+    its URL and the connections it accepted."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
+    server.shutdown(socket.SHUT_RDWR)
+    server.close()
+    thread.join()
+    for conn in accepted:
+        conn.close()
+
+
+def test_a_server_that_never_answers_costs_the_configured_timeout_and_retries(silent_server, shards, caplog):
+    # before, each attempt waited 60 s and 7 were made, per URL, whatever the config said
+    url, accepted = silent_server
+    caplog.set_level(logging.WARNING)
+    cfg = shards.config(train=f"{url}/shard-000000.tar", streams=1, workers=0, http_timeout_s=0.2, http_retries=1)
+    loader = build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=2)  # index.json: none answered
+    with pytest.raises(UsageError, match="no readable data in any of the 1 shards"):
+        next(iter(loader))
+    deadline = time.monotonic() + 900  # a hang guard only: the accepting thread may lag on a loaded machine
+    while len(accepted) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(accepted) == 4  # index.json, then the shard: each tried once and retried once
+    assert caplog.text.count("failed (timed out); retry 1 of 1 in 1 s") == 2
+    assert (f"skipping the rest of damaged shard {url}/shard-000000.tar: {url}/shard-000000.tar: timed out (the last "
+            "of 2 attempts: data.http_retries 1, data.http_timeout_s 0.2)") in caplog.text

@@ -130,14 +130,27 @@ class DataConfig:
     valid: str = ""  # same forms; empty: no evaluation data
     tokenizer: str = ""  # path to spiece.model
     input_length: int = 512  # encoder length after span corruption; targets length follows (568 -> 114)
-    noise_density: float = 0.15  # fraction of input tokens masked by span corruption
-    mean_noise_span_length: float = 3.0  # mean length of a masked span
+    noise_density: float = 0.15  # fraction of input tokens masked by span corruption, in (0, 1)
+    mean_noise_span_length: float = 3.0  # mean length of a masked span, at least 1
     workers: int = 1  # DataLoader worker processes per rank (at most one per data stream the rank owns)
     streams: int = 0  # streams the train shards are dealt to (0: min(shards, 64)); every DP size must divide it
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
+    max_damaged_share: float = 0.2  # the run stops once damaged shards lost more than this share of data.train
+    http_timeout_s: float = 60.0  # http(s) shards: seconds per connection attempt and per read
+    http_retries: int = 6  # http(s) shards: failed attempts retried in a row, with backoff 1, 2, 4 ... 60 s
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, {"workers": 0})
+        check_at_least("data", self, {"workers": 0, "http_retries": 0})
+        if not 0 < self.noise_density < 1:  # also NaN; span_corruption's length search needs it
+            raise ConfigError(f"data.noise_density ({self.noise_density}) must be > 0 and < 1: the share of each "
+                              "chunk's tokens that span corruption masks (T5: 0.15)")
+        if not self.mean_noise_span_length >= 1:
+            raise ConfigError(f"data.mean_noise_span_length ({self.mean_noise_span_length}) must be >= 1: the mean "
+                              "length in tokens of a masked span (T5: 3)")
+        if not 0 <= self.max_damaged_share <= 1:
+            raise ConfigError(f"data.max_damaged_share ({self.max_damaged_share}) must be >= 0 and <= 1")
+        if not self.http_timeout_s > 0:
+            raise ConfigError(f"data.http_timeout_s ({self.http_timeout_s}) must be > 0")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ and the workers only decide who computes which example. `state_dict()` is plain 
 position and the examples consumed); `load_state_dict` takes every saved DP rank's state, so a resume on any
 DP size, micro batch or number of workers continues with the next example, bit for bit. The state also
 records the settings that decide the examples (seed, streams, shuffle buffer, lengths, noise): a resume that
-changed one is refused, since the saved positions would then repeat or skip text.
+changed one is refused, since the saved positions would then repeat or skip text; and the damaged shards found so
+far (pretrain.data.damage), whose share of the data may not exceed data.max_damaged_share.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from torch.utils.data import DataLoader
 from launch.env import die_with_parent
 from pretrain.core.config import DataConfig, UsageError
 from pretrain.core.redact import redact
+from pretrain.data.damage import DamagedShards
+from pretrain.data.remote import Retry
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, WorkerRows, collate, examples, start_position
@@ -39,11 +42,14 @@ STATE_VERSION = 2  # 1: positions per (DP rank, worker), before the global order
 MAX_AUTO_STREAMS = 64  # data.streams 0: min(shards, 64); every power-of-two DP size up to 64 divides it
 
 
-def _spec(cfg: DataConfig, spec: str, *, seed: int, num_streams: int | None, block_chunks: int) -> StreamSpec:
-    """The stream settings of `spec`; `num_streams` None: `cfg.streams` (0: min(shards, MAX_AUTO_STREAMS))."""
+def _spec(cfg: DataConfig, spec: str, *, seed: int, num_streams: int | None,
+          block_chunks: int) -> tuple[StreamSpec, dict | None]:
+    """The stream settings of `spec` and its index.json (None when absent); `num_streams` None: `cfg.streams` (0:
+    min(shards, MAX_AUTO_STREAMS))."""
     tok = Tokenizer(cfg.tokenizer)
     shards = expand_shards(spec)
-    index = read_index(spec)
+    retry = Retry(cfg.http_timeout_s, cfg.http_retries)
+    index = read_index(spec, retry)
     if index is not None and index.get("format", 1) != FORMAT_VERSION:
         raise UsageError(f"shards in {redact(spec)!r} are in format {index.get('format', 1)}, this loader reads format "
                          f"{FORMAT_VERSION}; prepare them again with `python -m pretrain.data.prepare`")
@@ -61,7 +67,7 @@ def _spec(cfg: DataConfig, spec: str, *, seed: int, num_streams: int | None, blo
         shards=tuple(shards), seed=seed, num_streams=num_streams, raw_length=raw_length,
         input_length=cfg.input_length, target_length=target_length, block_chunks=block_chunks, num_ids=tok.num_ids,
         eos_id=tok.eos_id, noise_density=cfg.noise_density, mean_noise_span_length=cfg.mean_noise_span_length,
-        expected_docs=_expected_docs(shards, index))
+        expected_docs=_expected_docs(shards, index), retry=retry), index
 
 
 def _expected_docs(shards: list[str], index: dict | None) -> tuple[int, ...] | None:
@@ -103,7 +109,8 @@ class TrainLoader:
     continues, it never rewinds. `close()` ends the worker processes of the live iteration (the trainer calls it
     on every way out)."""
 
-    def __init__(self, spec: StreamSpec, *, dp_rank: int, dp_size: int, micro_batch: int, workers: int):
+    def __init__(self, spec: StreamSpec, *, dp_rank: int, dp_size: int, micro_batch: int, workers: int,
+                 max_damaged_share: float):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
         if micro_batch < 1:
@@ -118,38 +125,36 @@ class TrainLoader:
         self.workers = min(workers, len(self.streams))
         self.consumed = 0  # examples this rank handed out; its next one is global example consumed * D + r
         self.positions = {s: start_position() for s in self.streams}
-        self.num_damaged_shards = 0  # damaged shard reads skipped so far, summed over streams
+        self.damaged = DamagedShards(spec, max_damaged_share)  # what this rank's streams and the checkpoint found
         self._iterator = None
 
     def __iter__(self) -> Iterator[dict]:
-        source = WorkerRows(self.spec, self.streams, copy.deepcopy(self.positions), self.workers)
+        source = WorkerRows(self.spec, self.streams, copy.deepcopy(self.positions), self.workers,
+                            dict(self.damaged.found))
         loader = DataLoader(source, batch_size=None, collate_fn=_identity, num_workers=self.workers,
                             persistent_workers=False, prefetch_factor=4 if self.workers else None,
                             worker_init_fn=functools.partial(_worker_init, os.getpid()))
         self.close()
         self._iterator = iter(loader)
         queues: dict[int, deque] = {s: deque() for s in self.streams}
-        damaged = dict.fromkeys(self.streams, 0)
         try:
             while True:
                 pairs = []
                 while len(pairs) < self.micro_batch:
                     stream = self.streams[self.consumed % len(self.streams)]  # round robin: the global order
                     while not queues[stream]:
-                        for s, inputs, targets, after, bad in self._next_item():
+                        rows, found = self._next_item()
+                        self.damaged.add(found)
+                        for s, inputs, targets, after in rows:
                             queues[s].extend(zip(inputs, targets, after))
-                            damaged[s] = bad
                     inputs, targets, self.positions[stream] = queues[stream].popleft()
                     pairs.append((inputs, targets))
                     self.consumed += 1
-                if sum(damaged.values()) > self.num_damaged_shards:
-                    self.num_damaged_shards = sum(damaged.values())
-                    log.warning("%d damaged shard reads skipped so far", self.num_damaged_shards)
                 yield collate(pairs, self.spec.input_length, self.spec.target_length)
         finally:
             self.close()
 
-    def _next_item(self) -> list[tuple]:
+    def _next_item(self) -> tuple[list[tuple], dict[int, int]]:
         """The next item of the workers (round robin over them); a worker that died (OOM killer, SIGKILL) is named
         as such. Torch reports that only when its queue times out: an item already in flight fails first with a
         closed connection to the dead worker."""
@@ -183,10 +188,11 @@ class TrainLoader:
                 "mean_noise_span_length": s.mean_noise_span_length}
 
     def state_dict(self) -> dict:
-        """This DP rank's part: its streams' positions, and the examples of the whole run consumed (at a step
-        boundary every rank has handed out the same number)."""
+        """This DP rank's part: its streams' positions, the examples of the whole run consumed (at a step
+        boundary every rank has handed out the same number), and the damaged shards it knows of."""
         return {"version": STATE_VERSION, "examples": self.consumed * self.dp_size,
-                "positions": {str(s): dict(p) for s, p in self.positions.items()}, "settings": self._settings()}
+                "positions": {str(s): dict(p) for s, p in self.positions.items()}, "settings": self._settings(),
+                "damaged": self.damaged.state()}
 
     def load_state_dict(self, state: dict) -> None:
         """`state`: `{"ranks": [the state_dict of every DP rank of the saving run]}`; any DP size may load it."""
@@ -208,16 +214,17 @@ class TrainLoader:
             raise ValueError(f"{consumed} examples consumed is not a multiple of the DP size ({self.dp_size})")
         self.consumed = consumed // self.dp_size
         self.positions = {s: dict(positions[s]) for s in self.streams}
+        self.damaged.load([r.get("damaged", {}) for r in ranks])  # absent in checkpoints of before the record
 
 
 def build_train_loader(cfg: DataConfig, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int) -> TrainLoader:
     """The train loader of one DP rank over `cfg.train`; TP peers (same dp_rank) get identical batches."""
-    spec = _spec(cfg, cfg.train, seed=seed, num_streams=None, block_chunks=max(1, cfg.shuffle_buffer))
-    loader = TrainLoader(spec, dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch, workers=cfg.workers)
+    spec, index = _spec(cfg, cfg.train, seed=seed, num_streams=None, block_chunks=max(1, cfg.shuffle_buffer))
+    loader = TrainLoader(spec, dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch, workers=cfg.workers,
+                         max_damaged_share=cfg.max_damaged_share)
     if cfg.workers > loader.workers:
         log.info("data.workers %d: %d per DP rank are used, one per data stream it owns (data.streams %d / DP %d)",
                  cfg.workers, loader.workers, spec.num_streams, dp_size)
-    index = read_index(cfg.train)
     if index is not None:
         log.info("train data: %d shards in %d streams, %d tokens (~%d chunks of %d per epoch)", len(spec.shards),
                  spec.num_streams, index["tokens"], index["tokens"] // spec.raw_length, spec.raw_length)
@@ -242,9 +249,9 @@ def build_eval_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, micro_batc
     """DP rank r's part of the first `num_examples` examples of `cfg.valid` (one stream, seed 0 for the order and
     the corruption whatever the run's seed): examples i = r (mod DP), in micro batches. The examples, and so
     the loss over all ranks, are the same on every layout."""
-    spec = _spec(cfg, cfg.valid, seed=0, num_streams=1, block_chunks=max(1, cfg.shuffle_buffer))
+    spec, _ = _spec(cfg, cfg.valid, seed=0, num_streams=1, block_chunks=max(1, cfg.shuffle_buffer))
     mine: list = []
-    for i, (inputs, targets, after) in enumerate(examples(spec, 0, start_position(), [0])):
+    for i, (inputs, targets, after) in enumerate(examples(spec, 0, start_position(), {})):
         if i == num_examples:
             break
         if after["epoch"] > 0:

@@ -6,8 +6,9 @@ A shard URL may carry credentials: `https://user:token@host/...` (sent as HTTP b
 Transient failures (refused or reset connections, timeouts, HTTP 408/429/5xx) are retried with exponential
 backoff, both when opening and in the middle of a read, which continues at the byte where it stopped (a Range
 request; a server without range support sends the whole shard again and the bytes already read are skipped).
-Other HTTP errors (404, 403) fail at once. The caller sees an error only after `RETRIES` consecutive failures;
-the loader then counts the shard as damaged and moves on.
+Other HTTP errors (404, 403) fail at once. The caller sees an error only after `Retry.retries` consecutive
+failures (`data.http_retries`, each attempt waiting at most `data.http_timeout_s` for the connection and for each
+read); the loader then counts the shard as damaged and moves on.
 """
 from __future__ import annotations
 
@@ -19,26 +20,34 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import IO
+
 from pretrain.core.redact import redact
 
 log = logging.getLogger(__name__)
 
-RETRIES = 6  # consecutive failures tolerated; waits of 1, 2, 4, 8, 16, 32 s ride out a minute-long outage
-BACKOFF_S = 1.0
-TIMEOUT_S = 60  # per connection attempt and per read
+BACKOFF_S = 1.0  # the first wait; it doubles per failure in a row (6 retries: 1 ... 32 s ride out a minute's outage)
+MAX_BACKOFF_S = 60.0  # more retries wait a minute each, never hours
 TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 
 
+@dataclass(frozen=True)
+class Retry:
+    """How patient a read is (data.http_timeout_s, data.http_retries; DataConfig holds the defaults)."""
+
+    timeout_s: float  # per connection attempt and per read: a server that accepts and never answers costs this
+    retries: int  # failed attempts in a row retried before the read fails
 
 
-def open_http(url: str) -> IO[bytes]:
+def open_http(url: str, retry: Retry) -> IO[bytes]:
     """A buffered byte stream of `url` that retries transient failures (see the module docstring)."""
-    return io.BufferedReader(_RetryingResponse(url), buffer_size=1 << 20)
+    return io.BufferedReader(_RetryingResponse(url, retry), buffer_size=1 << 20)
 
 
 class _RetryingResponse(io.RawIOBase):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, retry: Retry) -> None:
+        self._retry = retry
         parts = urllib.parse.urlsplit(url)
         self._shown = redact(url)
         self._headers = {}
@@ -81,7 +90,7 @@ class _RetryingResponse(io.RawIOBase):
             headers = dict(self._headers, **({"Range": f"bytes={self._pos}-"} if self._pos else {}))
             try:
                 response = urllib.request.urlopen(urllib.request.Request(self._url, headers=headers),
-                                                  timeout=TIMEOUT_S)
+                                                  timeout=self._retry.timeout_s)
                 length = response.headers.get("Content-Length")
                 resumed = response.status == 206
                 if self._pos and not resumed:
@@ -103,12 +112,14 @@ class _RetryingResponse(io.RawIOBase):
     def _wait(self, error: Exception) -> None:
         """Sleep before the next attempt, or raise (a redacted one-line OSError) when the retries are spent."""
         why = redact(str(error).splitlines()[0] if str(error) else type(error).__name__)
-        if self._failures == RETRIES:
-            raise OSError(f"{self._shown}: {why} ({RETRIES} retries failed)") from None
-        delay = BACKOFF_S * 2**self._failures
+        retries = self._retry.retries
+        if self._failures == retries:
+            raise OSError(f"{self._shown}: {why} (the last of {retries + 1} attempts: data.http_retries {retries}, "
+                          f"data.http_timeout_s {self._retry.timeout_s:g})") from None
+        delay = min(BACKOFF_S * 2**self._failures, MAX_BACKOFF_S)
         self._failures += 1
         log.warning("reading %s at byte %d failed (%s); retry %d of %d in %.0f s",
-                    self._shown, self._pos, why, self._failures, RETRIES, delay)
+                    self._shown, self._pos, why, self._failures, retries, delay)
         time.sleep(delay)
 
 

@@ -22,17 +22,19 @@ import itertools
 import json
 import logging
 import os
+import signal
 import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
 import braceexpand
 import numpy as np
-from webdataset.gopen import gopen
+from webdataset.gopen import Pipe, gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from pretrain.core.config import UsageError
-from pretrain.data.remote import open_http
+from pretrain.core.redact import redact
+from pretrain.data.remote import Retry, open_http
 
 log = logging.getLogger(__name__)
 
@@ -110,28 +112,56 @@ def expand_shards(spec: str) -> list[str]:
     return found
 
 
-def open_shard(url: str) -> IO[bytes]:
-    """A byte stream of one shard: local path, http(s) (Python's own client, no curl needed), or `pipe:`."""
+def open_shard(url: str, retry: Retry | None) -> IO[bytes]:
+    """A byte stream of one shard: local path, http(s) (Python's own client, no curl needed; `retry` says how
+    patient it is), or `pipe:`."""
     if url.startswith(("http://", "https://")):
-        return open_http(url)  # retries transient failures; credentials stay out of messages
+        assert retry is not None, "an http(s) shard needs a Retry (data.http_timeout_s, data.http_retries)"
+        return open_http(url, retry)  # retries transient failures; credentials stay out of messages
     return gopen(url, "rb")
 
 
-def read_packs(url: str, on_error) -> Iterator[dict]:
-    """Packs (raw samples) of one shard in order; a damaged member or truncated tar calls `on_error(exn)`."""
+# a `pipe:` command ended by SIGPIPE: the reader stopped early (a damaged tar, the loader shutting down), no failure
+# (141: the shell reports it; a command the shell exec'd ends by the signal itself)
+_STOPPED_EARLY = (128 + signal.SIGPIPE, -signal.SIGPIPE)
+
+
+def _check_command(url: str, stream: IO[bytes]) -> None:
+    """A `pipe:` command that failed is the user's to fix, not a damaged shard: a UsageError naming the command
+    and its exit status (webdataset's own error is a tuple of Popen's arguments, raised in the middle of a read)."""
+    status = stream.status if isinstance(stream, Pipe) else None
+    if status in (None, 0, *_STOPPED_EARLY):
+        return
+    if status < 0:
+        how = f"was killed by {signal.Signals(-status).name}"
+    else:
+        how = f"exited with status {status}" + {127: " (command not found)", 126: " (not executable)"}.get(status, "")
+    raise UsageError(f"the command of shard {redact(url)!r} {how}; it must write the shard's tar to stdout: run "
+                     f"`{redact(url[len('pipe:'):])}` in a shell to see why, then fix data.train / data.valid")
+
+
+def read_packs(url: str, on_error, retry: Retry | None = None) -> Iterator[dict]:
+    """Packs (raw samples) of one shard in order; a damaged member or truncated tar calls `on_error(exn)`;
+    a failing `pipe:` command is a UsageError (`_check_command`)."""
     try:
-        stream = open_shard(url)
-    except Exception as exn:  # unreachable URL, missing file, failing pipe: the shard is skipped
+        stream = open_shard(url, retry)
+    except Exception as exn:  # unreachable URL, missing file: the shard is skipped
         on_error(exn)
         return
 
     def handler(exn: Exception) -> bool:
+        _check_command(url, stream)
         on_error(exn)
         return False  # a tar stream cannot resynchronise after damage: end this shard
 
-    with stream:
-        files = tar_file_expander([{"url": url, "stream": stream}], handler=handler)
-        yield from group_by_keys(files, handler=handler)
+    try:
+        with stream:
+            files = tar_file_expander([{"url": url, "stream": stream}], handler=handler)
+            yield from group_by_keys(files, handler=handler)
+    except OSError:  # webdataset's Pipe checks the command's status when it closes
+        _check_command(url, stream)
+        if not (isinstance(stream, Pipe) and stream.status in _STOPPED_EARLY):
+            raise
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,11 +173,11 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def read_index(spec: str) -> dict | None:
+def read_index(spec: str, retry: Retry) -> dict | None:
     """index.json beside the shards of a spec: a local folder or an http(s) base URL (None when absent)."""
     if spec.startswith(("http://", "https://")):
         try:
-            with open_http(spec.rsplit("/", 1)[0] + "/" + INDEX) as f:
+            with open_http(spec.rsplit("/", 1)[0] + "/" + INDEX, retry) as f:
                 return json.loads(f.read())
         except (OSError, ValueError):
             return None

@@ -25,8 +25,14 @@ def input_and_target_lengths(
     """
     if input_length < 2:
         raise ValueError(f"input_length ({input_length}) must be at least 2")
+    if not 0 < noise_density < 1 or not mean_noise_span_length >= 1:  # also NaN
+        raise ValueError(f"noise_density ({noise_density}) must be in (0, 1) and mean_noise_span_length "
+                         f"({mean_noise_span_length}) at least 1")
+    # inputs(raw) >= raw (1 - density) + 0.5, so no raw length beyond `limit` fits: the search ends (at density
+    # >= 1 the inputs would shrink as raw grows, and an unbounded search never did)
+    limit = int(input_length / (1 - noise_density)) + 2
     raw_length = input_length - 1
-    while _lengths_for(raw_length + 1, noise_density, mean_noise_span_length)[0] <= input_length:
+    while raw_length < limit and _lengths_for(raw_length + 1, noise_density, mean_noise_span_length)[0] <= input_length:
         raw_length += 1
     targets_length = _lengths_for(raw_length, noise_density, mean_noise_span_length)[1]
     # T5's "minor hack": at density 0.5 keep targets no longer than inputs

@@ -41,6 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.core.config import UsageError
 from pretrain.core.redact import redact
+from pretrain.data.remote import Retry
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
 
@@ -71,6 +72,7 @@ class StreamSpec:
     noise_density: float
     mean_noise_span_length: float
     expected_docs: tuple[int, ...] | None  # documents per shard from index.json: a short read is damage
+    retry: Retry  # http(s) shards: timeout per attempt and retries (data.http_timeout_s, data.http_retries)
 
 
 def epoch_shards(spec: StreamSpec, epoch: int, stream: int) -> list[str]:
@@ -80,16 +82,28 @@ def epoch_shards(spec: StreamSpec, epoch: int, stream: int) -> list[str]:
 
 
 def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
-                  damaged: list[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+                  damaged: dict[int, int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(index of the first document, token ids, tokens per document) of each pack of one shard, from the
     pack holding document `skip_docs` on; packs before it are counted but not decoded. Damage (a read
-    error, a pack failing its checksum, or fewer documents than the index lists) warns, counts and ends
-    the shard: a garbled member header ends a tar stream silently, so the index's count is what reveals it.
+    error, a pack failing its checksum, or fewer documents than the index lists) warns, ends the shard and
+    records it in `damaged` (shard index -> documents read before the damage): a garbled member header ends a
+    tar stream silently, so the index's count is what reveals it.
+
+    A shard `damaged` already holds (found by this worker, or recorded in the checkpoint) is read only up to its
+    damage, as its first read ended: a dead URL costs its timeouts once, not every epoch, and a requeue reads what
+    the run read even where a transient failure has healed since.
     """
+    shard = spec.shards.index(url)
+    known = damaged.get(shard)
+    if known == 0:
+        return
     errors: list[Exception] = []
     n = empty = 0
-    for sample in read_packs(url, errors.append):
+    for sample in read_packs(url, errors.append, spec.retry):
         first, n = n, n + num_pack_documents(sample)
+        if known is not None and n > known:
+            n = first
+            break  # the pack the damage is in
         if n <= skip_docs:
             continue  # before the resume point: skipped without decoding
         try:
@@ -106,9 +120,9 @@ def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
         yield first, tokens, lengths
     if empty:
         log.warning("skipped %d empty documents (no tokens) of shard %s", empty, redact(url))
-    expected = spec.expected_docs[spec.shards.index(url)] if spec.expected_docs else None
-    if errors or (expected is not None and n < expected):
-        damaged[0] += 1
+    expected = spec.expected_docs[shard] if spec.expected_docs else None
+    if known is None and (errors or (expected is not None and n < expected)):
+        damaged[shard] = n
         why = str(errors[0]).splitlines()[0][:200] if errors else f"it ended after {n} of {expected} documents"
         log.warning("skipping the rest of damaged shard %s: %s", redact(url), redact(why))
 
@@ -132,7 +146,7 @@ def _with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> tuple[np.
 
 
 def blocks(spec: StreamSpec, shards: list[str], shard: int, doc: int, offset: int,
-           damaged: list[int]) -> Iterator[tuple[np.ndarray, tuple[int, int, int]]]:
+           damaged: dict[int, int]) -> Iterator[tuple[np.ndarray, tuple[int, int, int]]]:
     """(chunks [n, raw_length], where the block starts) until the epoch ends, from (shard, doc, offset).
 
     Documents are joined with EOS a pack at a time; a block start is mapped back to (shard, document, offset)
@@ -166,13 +180,21 @@ def blocks(spec: StreamSpec, shards: list[str], shard: int, doc: int, offset: in
         yield np.concatenate(pieces)[: n * spec.raw_length].reshape(n, spec.raw_length), start
 
 
-def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) -> Iterator[tuple]:
+def examples(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, int]) -> Iterator[tuple]:
     """(inputs, targets, position after this example) forever, epoch after epoch.
 
     A block's chunks are permuted and corrupted in one vectorised call; resuming mid-block redoes that call
     (bounded by the block) and skips the chunks already emitted.
+
+    An epoch whose shards give not one chunk (all damaged or empty: with as many streams as shards, one damaged
+    shard does it) is passed over: the stream goes on with its next epoch, whose shards are another draw. The
+    rule reads nothing but this stream's own shards, so example j of the stream stays a function of the seed
+    (and the shards' bytes) alone, whichever rank or worker computes it and whenever: the global order and
+    every layout's batches are unchanged, and the position (its epoch) carries the skip into a checkpoint.
+    Only when the epochs passed over in a row have tried every shard of the run is there nothing to read.
     """
     epoch, shard, doc, offset, first_block, nxt = (position[k] for k in POSITION_KEYS)
+    unreadable: set[str] = set()  # the shards of the epochs passed over in a row
     while True:
         shards = epoch_shards(spec, epoch, stream)
         produced = first_block > 0
@@ -185,11 +207,16 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: list[int]) 
             for j in range(nxt, len(chunks)):
                 yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (epoch, *start, block, j + 1)))
             nxt = 0
+        unreadable = set() if produced else unreadable | set(shards)
+        if len(unreadable) == len(spec.shards):
+            names = ", ".join(redact(s) for s in spec.shards[:3]) + (", ..." if len(spec.shards) > 3 else "")
+            raise UsageError(f"no readable data in any of the {len(spec.shards)} shards ({names}): damaged, empty, "
+                             f"only empty documents, or less than one chunk of {spec.raw_length} tokens each; "
+                             "check data.train")
         if not produced:
             names = ", ".join(redact(s) for s in shards[:3]) + (", ..." if len(shards) > 3 else "")
-            raise UsageError(f"data stream {stream} has no readable data in its {len(shards)} shards "
-                             f"({names}): damaged, empty, only empty documents, or less than one chunk of "
-                             f"{spec.raw_length} tokens; check data.train")
+            log.info("data stream %d: nothing readable in its epoch %d (%s); it goes on with its epoch %d",
+                     stream, epoch, names, epoch + 1)
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
 
@@ -220,28 +247,33 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, targe
     return batch
 
 
-def rows(spec: StreamSpec, streams: list[int], positions: dict[int, dict]) -> Iterator[list[tuple]]:
-    """One loader worker's output: items of `ROWS` examples from each of its `streams`, as
-    (stream, inputs [ROWS, input_length], targets [ROWS, target_length], position after each row, damaged shard
-    reads of the stream so far). The loader deals the rows into the rank's order."""
-    damaged = {s: [0] for s in streams}
-    its = {s: examples(spec, s, positions[s], damaged[s]) for s in streams}
+def rows(spec: StreamSpec, streams: list[int], positions: dict[int, dict],
+         known: dict[int, int]) -> Iterator[tuple[list[tuple], dict[int, int]]]:
+    """One loader worker's output: items of `ROWS` examples from each of its `streams`, as ([(stream, inputs [ROWS,
+    input_length], targets [ROWS, target_length], position after each row)], the shards found damaged since the
+    last item {shard index: documents read}). Its streams share what is known damaged, from `known` on (the
+    loader's record). The loader deals the rows into the rank's order."""
+    damaged = dict(known)
+    reported = len(damaged)
+    its = {s: examples(spec, s, positions[s], damaged) for s in streams}
     while True:
         item = []
         for s in streams:
             got = [next(its[s]) for _ in range(ROWS)]
-            item.append((s, np.stack([g[0] for g in got]), np.stack([g[1] for g in got]), [g[2] for g in got],
-                         damaged[s][0]))
-        yield item
+            item.append((s, np.stack([g[0] for g in got]), np.stack([g[1] for g in got]), [g[2] for g in got]))
+        found = dict(list(damaged.items())[reported:])  # a shard is added once, never moved
+        reported = len(damaged)
+        yield item, found
 
 
 class WorkerRows(IterableDataset):
     """The streams of one DP rank, dealt to the DataLoader workers: worker w of W runs streams[w::W]."""
 
-    def __init__(self, spec: StreamSpec, streams: list[int], positions: dict[int, dict], workers: int):
-        self.spec, self.streams, self.positions, self.workers = spec, streams, positions, workers
+    def __init__(self, spec: StreamSpec, streams: list[int], positions: dict[int, dict], workers: int,
+                 known: dict[int, int]):
+        self.spec, self.streams, self.positions, self.workers, self.known = spec, streams, positions, workers, known
 
-    def __iter__(self) -> Iterator[list[tuple]]:
+    def __iter__(self) -> Iterator[tuple[list[tuple], dict[int, int]]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        return rows(self.spec, self.streams[worker :: max(1, self.workers)], self.positions)
+        return rows(self.spec, self.streams[worker :: max(1, self.workers)], self.positions, self.known)

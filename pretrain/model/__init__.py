@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from megatron.core import ModelParallelConfig, parallel_state
 
-from pretrain.core.config import ModelConfig
+from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.attention import MIXERS, parse_mixers
 from pretrain.model.generation import generate_greedy
 from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
@@ -25,11 +25,12 @@ __all__ = [
 
 
 def with_vocab(cfg: ModelConfig, num_ids: int) -> ModelConfig:
-    """`cfg` with model.vocab_size = the tokenizer's `num_ids` when it is 0; a smaller set value is refused."""
+    """`cfg` with model.vocab_size = the tokenizer's `num_ids` when it is 0; a smaller set value is refused in one
+    line (it runs before the job's other checks, which turn their ValueErrors into one)."""
     if cfg.vocab_size == 0:
         return dataclasses.replace(cfg, vocab_size=num_ids)
     if cfg.vocab_size < num_ids:
-        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's {num_ids} ids; "
+        raise UsageError(f"model.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's {num_ids} ids; "
                          f"set it to 0 (the tokenizer's) or at least {num_ids}")
     return cfg
 

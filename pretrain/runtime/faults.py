@@ -7,7 +7,9 @@ Exit codes:
   EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
                        parallel.timeout_s, with one line saying another rank failed first (or, where a collective
                        timed out, that a rank never arrived: stalled or hung)
-  EXIT_USAGE (2)       a user mistake (pretrain.core.config.UsageError: config, inputs, layout): one line on stderr
+  EXIT_USAGE (2)       a user mistake (pretrain.core.config.UsageError: config, inputs, layout): one line on stderr;
+                       found by one rank only (its shards, its data), it is passed to the others through the job's
+                       store, and every rank ends with that line and this code (`_share_usage_error`)
   EXIT_DIVERGED (3)    more than train.max_skipped_steps steps were skipped (non-finite loss or gradients);
                        the last good checkpoint stays
   EXIT_PREEMPTED (75)  SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 arrived: a checkpoint was saved, run the same command again
@@ -111,6 +113,44 @@ def _user_message(e: UsageError) -> str:
     return " ".join(lines)
 
 
+# keys in the job's rendezvous store (torch.distributed's default store: torchrun's agent or rank 0 serves it)
+_USAGE_LINE = "pretrain/usage_error"  # the first one-line usage error of any rank
+_USAGE_SEEN = "pretrain/usage_error_seen/"  # + rank: that rank ends with it
+
+
+def _share_usage_error(line: str) -> None:
+    """Tell the other ranks this rank's usage error, so that they end with its line and EXIT_USAGE instead of "a
+    collective failed" and EXIT_FAILED: the line goes into the store, the process groups are closed (the others'
+    pending gloo collective fails at once and reads it, `_peer_usage_error`), and this rank waits (at most the
+    process-group timeout) until every rank has read it, since its process may be the one serving the store. NCCL
+    ranks never learn of it (their wait is inside CUDA; the watchdog or the launcher ends them), so none waits."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    gloo = dist.get_backend() == "gloo"
+    try:
+        store.compare_set(_USAGE_LINE, "", line)  # the first rank's line wins
+        store.set(f"{_USAGE_SEEN}{rank}", "")
+        destroy_distributed()
+        if gloo:
+            store.wait([f"{_USAGE_SEEN}{r}" for r in range(world)], store.timeout)
+    except (dist.DistError, RuntimeError):  # the store's server ended (its rank exited) or the wait timed out
+        pass
+
+
+def _peer_usage_error() -> str | None:
+    """The line of another rank's usage error, when one was shared (`_share_usage_error`)."""
+    try:
+        store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        if not store.check([_USAGE_LINE]):
+            return None
+        line = store.get(_USAGE_LINE).decode()
+        store.set(f"{_USAGE_SEEN}{rank}", "")
+        return line
+    except (dist.DistError, RuntimeError):
+        return None
+
+
 def stop_child_processes() -> None:
     """Loader workers left by a failure: collect unreferenced DataLoader iterators (their shutdown ends the
     workers cleanly), then kill what is left. Workers ignore SIGTERM (pretrain.data.loader), so without this
@@ -124,20 +164,27 @@ def stop_child_processes() -> None:
 def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
-    UsageError -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
-    that failed because another rank failed first or never arrived -> one line saying which (`_peer_failure_line`),
-    EXIT_FAILED (the first error is that rank's); anything else -> its traceback, once, EXIT_FAILED.
+    UsageError -> one line on stderr, EXIT_USAGE, on every rank (`_share_usage_error`); Diverged -> EXIT_DIVERGED;
+    a collective that failed because another rank failed first or never arrived -> one line saying which
+    (`_peer_failure_line`), EXIT_FAILED (the first error is that rank's); anything else -> its traceback, once,
+    EXIT_FAILED.
     """
     try:
         return job()
     except UsageError as e:
-        print_error(prog, _user_message(e))
+        line = _user_message(e)
+        print_error(prog, line)
+        stop_child_processes()  # before the wait for the others: nothing of this rank runs on meanwhile
+        _share_usage_error(line)
         return EXIT_USAGE
     except Diverged as e:
         log.error("%s", e)
         return EXIT_DIVERGED
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if _is_peer_failure(e) and (line := _peer_usage_error()) is not None:
+            print_error(prog, line)  # the rank that found it printed it too: the same line, and the same code
+            return EXIT_USAGE
         if _is_peer_failure(e):
             print(f"{prog}: rank {rank}: {_peer_failure_line(e)}", file=sys.stderr)
         else:
