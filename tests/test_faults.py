@@ -293,14 +293,16 @@ def _processes() -> dict[int, tuple[str, int]]:
 
 
 def _lock_free(run_dir: Path) -> bool:
-    fd = os.open(run_dir / "lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    """Neither of the run lock's flocks is held: the run folder's nor its lock file's."""
+    for path, flags in ((run_dir, os.O_RDONLY | os.O_DIRECTORY), (run_dir / "lock", os.O_RDWR)):
+        fd = os.open(path, flags)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+    return True
 
 
 def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
