@@ -6,7 +6,9 @@ Exit codes:
   EXIT_OK (0)          training reached train.steps, or train.exit_after steps were done (checkpoint saved)
   EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
                        parallel.timeout_s, with one line saying another rank failed first (or, where a collective
-                       timed out, that a rank never arrived: stalled or hung)
+                       timed out, that a rank never arrived: stalled or hung). Storage that refuses a write (a full
+                       disk, a quota, a file size limit, a read-only filesystem: `StorageError`) is no bug: one line
+                       per rank naming the errno and the file, no traceback; what was saved before stays
   EXIT_USAGE (2)       a user mistake (pretrain.core.config.UsageError: config, inputs, layout): one line on stderr
   EXIT_DIVERGED (3)    more than train.max_skipped_steps steps were skipped (non-finite loss or gradients);
                        the last good checkpoint stays
@@ -15,15 +17,19 @@ Exit codes:
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import logging
 import multiprocessing
+import os
 import re
 import signal
 import sys
 import traceback
 import types
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -44,6 +50,46 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 class Diverged(RuntimeError):
     """Too many non-finite losses; the message names the step."""
+
+
+# what storage says when it cannot take a write; none of them is a bug, and none comes from a read
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+class StorageError(RuntimeError):
+    """A write the storage refused (`STORAGE_ERRNOS`); the message is the one line a rank prints."""
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside names `path` when it names no file: a failed write() or flush() names none."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """`e` and the errors it came from (its cause, else its context), the last raised first."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def storage_failure(e: BaseException) -> OSError | None:
+    """The first-raised OSError with a `STORAGE_ERRNOS` errno among `e` and the errors it came from, else None."""
+    found = [x for x in _chain(e) if isinstance(x, OSError) and x.errno in STORAGE_ERRNOS]
+    return found[-1] if found else None
+
+
+def describe_storage_failure(e: OSError) -> str:
+    """`no space left on device (ENOSPC): PATH`."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{os.strerror(e.errno).lower()} ({errno.errorcode[e.errno]}){where}"
 
 
 class PreemptionFlag:
@@ -103,6 +149,16 @@ def _peer_failure_line(e: BaseException) -> str:
     return f"a collective failed ({first}); another rank failed first, its error is the one to read"
 
 
+def _storage_line(e: BaseException, rank: int) -> str | None:
+    """The line of the first storage failure among `e` and the errors it came from (cleanup that failed on the same
+    storage afterwards, closing files or releasing the lock, raised its errors over it), else None."""
+    ours = [str(x) for x in _chain(e) if isinstance(x, StorageError)]
+    if ours:
+        return ours[-1]
+    failure = storage_failure(e)
+    return f"rank {rank}: {describe_storage_failure(failure)}" if failure is not None else None
+
+
 def _user_message(e: UsageError) -> str:
     """The one line of a usage error; one raised in a DataLoader worker arrives wrapped with its traceback."""
     lines = [line for line in str(e).splitlines() if line.strip()]
@@ -124,9 +180,11 @@ def stop_child_processes() -> None:
 def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
-    UsageError -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; a collective
-    that failed because another rank failed first or never arrived -> one line saying which (`_peer_failure_line`),
-    EXIT_FAILED (the first error is that rank's); anything else -> its traceback, once, EXIT_FAILED.
+    UsageError -> one line on stderr, EXIT_USAGE; Diverged -> EXIT_DIVERGED; storage that refused a write
+    (`StorageError`, or an OSError of `STORAGE_ERRNOS` raised anywhere) -> one line naming the errno and the file,
+    the first such failure of the chain, EXIT_FAILED; a collective that failed because another rank failed first or
+    never arrived -> one line saying which (`_peer_failure_line`), EXIT_FAILED (the first error is that rank's);
+    anything else -> its traceback, once, EXIT_FAILED.
     """
     try:
         return job()
@@ -138,7 +196,10 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
         return EXIT_DIVERGED
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if _is_peer_failure(e):
+        storage = _storage_line(e, rank)
+        if storage is not None:
+            print_error(prog, storage)
+        elif _is_peer_failure(e):
             print(f"{prog}: rank {rank}: {_peer_failure_line(e)}", file=sys.stderr)
         else:
             print(f"{prog}: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
