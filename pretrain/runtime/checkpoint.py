@@ -50,7 +50,8 @@ from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_inta
                                     describe, fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic,
                                     write_marker)
 from pretrain.distributed.parallel import ParallelDims
-from pretrain.runtime.faults import StorageError, describe_storage_failure, storage_failure, writing
+from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
+                                     writing)
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +355,7 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(self.root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
         dist.barrier()
+        self._make_folder(path)
         with self._storage_failures(path):
             # checksummed by the rank that wrote them, while they are in its page cache: every rank in parallel
             mine = describe(path, self._write(path))
@@ -367,6 +369,24 @@ class CheckpointManager:
         log.info("checkpoint %s saved", path)
         return path
 
+    def _make_folder(self, path: Path) -> None:
+        """Every rank makes the step's folder, and all learn whether one could not (a full disk shows here first):
+        a rank that went on into DeepSpeed's save would wait in its first collective for one that had stopped, and
+        could only say that another rank failed first. DeepSpeed's own makedirs logs such a failure and goes on to
+        "No such file or directory", which names no cause."""
+        mine = None
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if (failure := storage_failure(e)) is None:
+                raise
+            mine = (failure.errno, describe_storage_failure(failure))
+        outcomes: list[tuple[int, str] | None] = [None] * self.dims.world
+        dist.all_gather_object(outcomes, mine)
+        for rank, outcome in [(self.dims.rank, mine), *enumerate(outcomes)]:  # this rank's own failure first
+            if outcome is not None:
+                raise self._not_saved(path, *outcome, rank)
+
     @contextlib.contextmanager
     def _storage_failures(self, path: Path) -> Iterator[None]:
         """A write the storage refused (full, over quota, read-only) becomes this rank's one line (StorageError);
@@ -374,24 +394,23 @@ class CheckpointManager:
         try:
             yield
         except (OSError, RuntimeError) as e:  # torch's zip writer wraps a failed write in a RuntimeError
-            failure = storage_failure(e)
-            if failure is None:
+            if (failure := storage_failure(e)) is None:
                 raise
-            kept = complete_steps(self.root)
-            newest = f"{tag_for(kept[-1])} stays the newest checkpoint" if kept else \
-                "no checkpoint of this run is complete yet"
-            raise StorageError(f"rank {self.dims.rank}: checkpoint {path.name} not saved: "
-                               f"{describe_storage_failure(failure)}; {newest}; once the storage takes writes again "
-                               "(space or quota freed, mounted read-write, or run.dir moved), run the same command "
-                               "again") from e
+            raise self._not_saved(path, failure.errno, describe_storage_failure(failure), self.dims.rank) from e
+
+    def _not_saved(self, path: Path, code: int, failure: str, rank: int) -> StorageError:
+        """The one line of a save that rank `rank`'s storage refused (`code`: the errno; `failure`: what, where)."""
+        kept = complete_steps(self.root)
+        newest = f"{tag_for(kept[-1])} stays the newest checkpoint" if kept else \
+            "no checkpoint of this run is complete yet"
+        whose = "" if rank == self.dims.rank else f"rank {rank} could not write it: "
+        return StorageError(f"rank {self.dims.rank}: checkpoint {path.name} not saved: {whose}{failure}; {newest}; "
+                            f"once {STORAGE_ERRNOS[code]} (or with run.dir moved), run the same command again")
 
     def _write(self, path: Path) -> list[Path]:
         """This rank's files of the checkpoint: DeepSpeed's shards, the data position, the generators, and (rank 0)
         the trainer state, config, inputs and the tokenizer; returns their paths."""
         written: list[Path] = []
-        # made here on every rank: DeepSpeed's own makedirs logs a failure (a full disk) and goes on, and its first
-        # write then fails with "No such file or directory", which names no cause
-        path.mkdir(parents=True, exist_ok=True)
         with _noting_writes(self.engine, written):
             self.engine.save_checkpoint(str(self.root), tag=path.name, save_latest=False,
                                         client_state={"universal_checkpoint_info": self.universal_info})

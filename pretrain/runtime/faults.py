@@ -52,23 +52,15 @@ class Diverged(RuntimeError):
     """Too many non-finite losses; the message names the step."""
 
 
-# what storage says when it cannot take a write; none of them is a bug, and none comes from a read
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+# what storage says when it cannot take a write (none of them is a bug, none comes from a read), and when it will
+# take it again
+STORAGE_ERRNOS = {errno.ENOSPC: "there is space again", errno.EDQUOT: "the quota allows it",
+                  errno.EFBIG: "the file-size limit (ulimit -f) allows it",
+                  errno.EROFS: "the filesystem is writable again"}
 
 
 class StorageError(RuntimeError):
     """A write the storage refused (`STORAGE_ERRNOS`); the message is the one line a rank prints."""
-
-
-@contextlib.contextmanager
-def writing(path: Path | str) -> Iterator[None]:
-    """An OSError raised inside names `path` when it names no file: a failed write() or flush() names none."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None:
-            e.filename = str(path)
-        raise
 
 
 def _chain(e: BaseException | None) -> Iterator[BaseException]:
@@ -78,6 +70,19 @@ def _chain(e: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(e))
         yield e
         e = e.__cause__ or e.__context__
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """OSErrors raised inside name `path` where they name no file: a failed write() or flush() names none, and
+    torch.save into a file raises its own errors over the write's (`OSError` <- `RuntimeError` <- `OSError`)."""
+    try:
+        yield
+    except Exception as e:
+        for error in _chain(e):
+            if isinstance(error, OSError) and error.filename is None:
+                error.filename = str(path)
+        raise
 
 
 def storage_failure(e: BaseException) -> OSError | None:

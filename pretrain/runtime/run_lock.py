@@ -9,10 +9,10 @@ drops when their holder dies however it dies.
 
 Across nodes either lock is only as good as the filesystem's flock: shared by every node on NFS (unless mounted
 `nolock` or `local_lock=flock|all`) and on Lustre mounted with `-o flock`; node-local on Lustre's `-o localflock`;
-refused on Lustre's default `noflock`, where the lock is skipped with a warning rather than stopping the run
-(docs/cluster.md, "The run lock"). So a lock file naming another host whose lock is free is taken over saying so:
-the kernel here says no process on this host holds it; whether the job on the other host is gone only that
-filesystem's flock can tell.
+refused on Lustre's default `noflock`. A lock the filesystem refuses is skipped with a warning saying what is then
+not held off, rather than stopping the run (docs/cluster.md, "The run lock"). So a lock file naming another host
+whose lock is free is taken over saying so: the kernel here says no process on this host holds it; whether the job
+on the other host is gone only that filesystem's flock can tell.
 """
 from __future__ import annotations
 
@@ -62,18 +62,23 @@ class RunLock:
             run_dir.mkdir(parents=True, exist_ok=True)
             folder = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             # the folder's lock first: a second job on this host stops here, also where `lock` was removed
-            if not self._take(folder):
-                return
-            self._folder = folder
+            self._folder = self._take(folder)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             self.release()
             files = [p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()]
             why = f"{files[0]} is a file" if files else f"{e.strerror}: {e.filename}"
             raise UsageError(f"run.dir {run_dir} cannot be created or written ({why}); choose another run.dir") from None
-        if not self._take(fd):
+        self._file = self._take(fd)
+        if self._file is None or self._folder is None:  # a filesystem without flock (Lustre's default, noflock)
+            neither = self._file is None and self._folder is None
+            lost = ("nothing stops a second job from sharing this run.dir" if neither else
+                    "a removed run.dir/lock admits a second job" if self._folder is None else
+                    "jobs on other nodes are not held off")
+            log.warning("cannot flock %s: %s (docs/cluster.md, \"The run lock\")",
+                        run_dir if self._folder is None else self.path, lost)
+        if self._file is None:
             return
-        self._file = fd
         previous = self._describe()
         if previous:
             log.warning("taking over the stale lock of %s", previous)
@@ -81,23 +86,21 @@ class RunLock:
         os.write(fd, json.dumps(_holder()).encode())
         os.fsync(fd)
 
-    def _take(self, fd: int) -> bool:
-        """flock `fd`: True; False where the filesystem has no flock (warned; nothing held); a UsageError naming
-        the holder where another job holds it."""
+    def _take(self, fd: int) -> int | None:
+        """flock `fd`: `fd`, held until `release`; None (`fd` closed) where the filesystem has no flock for it; a
+        UsageError naming the holder where another job holds it."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
+            return fd
         except BlockingIOError:
             holder = self._describe(fd) or "not named: run.dir/lock was removed"
             os.close(fd)
             self.release()
             raise UsageError(f"{self.path.parent} is in use by another job ({holder}); give this run its own "
                              "run.dir, or stop that job first") from None
-        except OSError as e:  # e.g. Lustre mounted noflock
+        except OSError:  # e.g. ENOSYS, ENOLCK
             os.close(fd)
-            self.release()
-            log.warning("cannot lock %s (%s): nothing stops a second job from sharing this run.dir", self.path, e)
-            return False
+            return None
 
     def _describe(self, locked_fd: int | None = None) -> str:
         """Who the lock file names, with what was checked of it; `locked_fd`: a descriptor another job holds a flock
