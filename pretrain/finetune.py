@@ -230,7 +230,8 @@ def finetune(cfg: FinetuneConfig) -> int:
         root = run_dir / "checkpoints"
         inputs = RunInputs.of(spiece)
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
-        plan = prepare_resume(resume, model_cfg, inputs, dims, cfg.parallel.timeout_s) if resume else None
+        plan = prepare_resume(resume, model_cfg, inputs, dims, cfg.parallel.timeout_s, precision=cfg.precision,
+                              zero_stage=cfg.zero.stage) if resume else None
         model = build_from_export(model_cfg, cfg.init, cfg.task.freeze_mixture, cfg.train.activation_checkpointing,
                                   cfg.train.compile, dims.device, weights=not cfg.from_scratch)
         engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,

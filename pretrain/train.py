@@ -98,7 +98,8 @@ def train(cfg: Config) -> int:
         root = run_dir / "checkpoints"
         inputs = RunInputs.of(cfg.data.tokenizer, expand_shards(cfg.data.train))  # the shards as the stream reads them
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
-        plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s) if resume else None
+        plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s, precision=cfg.precision,
+                              zero_stage=cfg.zero.stage) if resume else None
 
         # 4. Model (this rank's TP shard, identical full init on every rank, built on its device), then `init`'s
         #    weights unless this run resumes its own checkpoint (a requeue continues), and the engine, whose

@@ -235,6 +235,70 @@ def test_the_run_lock_refuses_a_second_job_and_takes_over_a_dead_ones(tmp_path, 
     assert "stale" not in caplog.text
 
 
+def test_a_removed_lock_file_does_not_admit_a_second_job(tmp_path):
+    # `rm run.dir/lock` under a running job: before, the next job created a new lock file, locked it and trained
+    # beside the first; the run folder's own lock is still held, and /proc/locks names its holder
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "lock").unlink()
+        with pytest.raises(UsageError) as e:
+            RunLock(tmp_path).acquire()
+        assert str(e.value) == (f"{tmp_path} is in use by another job (pid {holder.pid} on this host, by /proc/locks; "
+                                "run.dir/lock was removed); give this run its own run.dir, or stop that job first")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(tmp_path)
+    lock.acquire()  # the holder is gone: its locks went with it
+    lock.release()
+
+
+def test_a_stale_lock_of_another_host_says_what_was_checked(tmp_path, caplog):
+    # the lock file names a job on another node and nobody holds the lock: that only this host's kernel was asked
+    # is said, not "that job is gone"
+    (tmp_path / "lock").write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "slurm_job": "77"}))
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+    assert ("taking over the stale lock of pid 4242 on node-elsewhere, SLURM job 77: no process on this host holds "
+            "it; that the job on node-elsewhere is gone is not checked: only a filesystem that shares flock between "
+            "nodes tells") in caplog.text
+    assert "that job is gone" not in caplog.text
+
+
+@pytest.mark.parametrize("written, now, refusal", [
+    ({"precision": "fp32", "zero_stage": 1}, ("fp32", 3), "with zero.stage 1 -> 3: DeepSpeed carries a checkpoint "
+     "across that only as a universal checkpoint, whose ZeRO 3 and ZeRO 1/2 forms DeepSpeed cannot load into each "
+     "other; resume with zero.stage 1 or 2, or export it"),
+    ({"precision": "fp32", "zero_stage": 1}, ("fp32", 0), "with zero.stage 1 -> 0: DeepSpeed carries a checkpoint "
+     "across that only as a universal checkpoint, which needs ZeRO >= 1 on both sides (ZeRO 0 writes no optimizer "
+     "partitions and loads none); resume with zero.stage 1 or 2, or export it"),
+    ({"precision": "fp32", "zero_stage": 0}, ("bf16", 0), "with precision fp32 -> bf16: DeepSpeed carries"),
+    ({"precision": "bf16", "zero_stage": 3}, ("fp32", 2), "with precision bf16 -> fp32, zero.stage 3 -> 2: "),
+    ({}, ("bf16", 3), None),  # written before precision and ZeRO stage were recorded: loads as before
+], ids=["zero 1 to 3", "zero 1 to 0", "zero 0 fp32 to bf16", "zero 3 bf16 to zero 2 fp32", "unrecorded"])
+def test_a_resume_with_another_precision_or_zero_stage_is_refused_where_deepspeed_cannot_carry_it(
+        tmp_path, written, now, refusal):
+    from pretrain.runtime.checkpoint import prepare_resume
+    from pretrain.core.config import Config, to_yaml
+    from pretrain.distributed.parallel import ParallelDims
+
+    path = _checkpoint(tmp_path / "run" / "checkpoints", 8)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 8, "tokens_seen": 0, "skipped_steps": 0, "tp": 1,
+                                                         "dp": 1, **written}))
+    (path / "config.yaml").write_text(to_yaml(Config()))
+    dims = ParallelDims(world=1, rank=0, local_rank=0, tp=1, dp=1, tp_rank=0, dp_rank=0, device=None)
+    resume = lambda: prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=60,
+                                    precision=now[0], zero_stage=now[1])
+    if refusal is None:
+        assert not resume().universal
+        return
+    with pytest.raises(UsageError) as e:
+        resume()
+    assert str(e.value).startswith(f"cannot resume {path} {refusal}")
+
+
 def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_path):
     from pretrain.runtime.checkpoint import prepare_resume
     from pretrain.core.config import Config, to_yaml
@@ -247,9 +311,10 @@ def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_pat
     with open(path / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb") as f:
         f.truncate(200_000_000)  # 200 MB (sparse): ~10 s of conversion, more than a quarter of 20 s
     dims = ParallelDims(world=4, rank=0, local_rank=0, tp=2, dp=2, tp_rank=0, dp_rank=0, device=None)
-    with pytest.raises(UsageError, match=r"at TP 2 x DP 2 needs a universal checkpoint, about 10 s of conversion.*"
-                                         r"python -m pretrain.reshard --run .*run"):
-        prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=20)
+    with pytest.raises(UsageError, match=r"with TP 1 x DP 8 -> TP 2 x DP 2 needs a universal checkpoint, about 10 s of "
+                                         r"conversion.*python -m pretrain.reshard --run .*run"):
+        prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=20,
+                       precision="fp32", zero_stage=1)
 
 
 def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dict:
@@ -283,7 +348,8 @@ def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dic
     saved = {"marker": json.loads((path / COMPLETE).read_text())["files"],
              "mtimes": {str(p.relative_to(root)): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}}
     _overwrite_middle(next(path.glob("*optim_states.pt")))
-    plan = prepare_resume(find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world), cfg.model, inputs, dims, 60)
+    plan = prepare_resume(find_resume(cfg.checkpoint, Path(root), dims.rank, dims.world), cfg.model, inputs, dims, 60,
+                          precision="fp32", zero_stage=cfg.zero.stage)
     manager.load(plan)
     # a damaged header of step 1's model states too: no intact checkpoint is left, one line instead of an
     # UnpicklingError on every requeue

@@ -281,6 +281,21 @@ def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, sav
         export(run_dir, tmp_path / "export")
 
 
+def test_an_export_into_the_runs_checkpoints_is_refused_in_one_line(tmp_path, tokenizer_model, capsys):
+    # before, an export inside checkpoints/ was written, and a later save pruned or replaced it without a word
+    from pretrain.export import main as export_main
+
+    run_dir = _run(tmp_path, tokenizer_model, 1, 1, 1, False, "fp32")[0]
+    (tmp_path / "exports").symlink_to(run_dir / "checkpoints")  # the same folder by another name
+    for output in (run_dir / "checkpoints" / "step_2", run_dir / "checkpoints" / "step_1" / "hf",
+                   tmp_path / "exports" / "hf"):
+        assert export_main(["--run", str(run_dir), "--output", str(output)]) == EXIT_USAGE
+        assert capsys.readouterr().err == (
+            f"python -m pretrain.export: error: --output {output} is inside {run_dir / 'checkpoints'}, whose folders "
+            "the run's saves prune and replace; choose a folder outside it\n")
+        assert not output.exists()
+
+
 # the export's writing side as its command runs it (run_with_exit_codes), in a process whose disk is full
 _EXPORT_TINY = """
 import sys

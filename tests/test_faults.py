@@ -6,6 +6,7 @@ for a bug, one line for a user mistake, one line on the ranks that only lost the
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.distributed import _free_port, launch_like_srun, run_distributed
 from tests.test_loader import cut_shards
 from tests.test_metrics import read_metrics
-from tests.test_train import COMMON, REPO, TINY, _train_each, data_overrides, losses
+from tests.test_train import COMMON, REPO, TINY, TRAIN, _train_each, data_overrides, losses
 
 PEER_LINE = "another rank failed first"
 
@@ -189,6 +190,110 @@ def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
                                _argv(tmp_path, shards, "data.workers=0", "train.steps=3"), cwd=REPO)
     assert results[0][0] == 0, results[0][1][-2000:]
     assert f"taking over the stale lock of pid {holder.pid}" in results[0][1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Storage that refuses writes: a real filesystem that fills up or turns read-only under a running job
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB ext4 filesystem of its own (a loop device; mounting needs root), mounted errors=remount-ro so that
+    an error makes the kernel turn it read-only as it does a failing disk: (mount point, the file that raises such
+    an error, /sys/fs/ext4/DEV/trigger_fs_error). No blocks reserved for root: the tests run as root."""
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    disk.mkdir()
+    with image.open("wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    mounted = subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a loop device here (root and /dev/loop* needed): {mounted.stderr.strip()}")
+    try:
+        device = subprocess.run(["findmnt", "-no", "SOURCE", str(disk)], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        yield disk, Path("/sys/fs/ext4") / Path(device).name / "trigger_fs_error"
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: a lingering process holds no test up
+
+
+# rank 0 makes the storage fail just before the job's second save (step 8 of 8, checkpoint.every=4): nothing of
+# the step's checkpoint is written yet; the other rank waits for it at the save's first barrier
+_BEFORE_SECOND_SAVE = """
+import os, sys
+from pretrain.runtime import checkpoint
+original, saves = checkpoint.CheckpointManager.save, [0]
+def save(self, step):
+    saves[0] += 1
+    if saves[0] == 2 and os.environ["RANK"] == "0":
+        FAULT
+    return original(self, step)
+checkpoint.CheckpointManager.save = save
+from pretrain.train import main
+sys.exit(main())
+"""
+# fill the filesystem: big writes, then page-sized ones, until none succeeds right after an fsync (writeback hands
+# back blocks ext4 had set aside for data still in the page cache; a folder made from those let one rank go on)
+_FILL = """f = open(os.path.join(DISK, "filler"), "wb", buffering=0)
+        full = False
+        while not full:
+            os.fsync(f.fileno())
+            full = True
+            for size in (1 << 20, 4096):
+                try:
+                    while True:
+                        f.write(bytes(size))
+                        full = False
+                except OSError:
+                    pass
+        f.close()"""
+
+
+def _storage_lines(results) -> list[str]:
+    """Each rank's one error line; no traceback anywhere."""
+    lines = []
+    for _, err in results:
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        lines.append(errors[0])
+    return lines
+
+
+def test_a_full_disk_during_a_save_is_one_line_per_rank_naming_enospc(shards, small_disk):
+    disk, _ = small_disk
+    run_dir = disk / "run"
+    argv = _argv(run_dir, shards)
+    fill = _FILL.replace("DISK", repr(str(disk)))
+    results = launch_like_srun(2, _BEFORE_SECOND_SAVE.replace("FAULT", fill), argv, cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_FAILED] * 2
+    for rank, line in enumerate(_storage_lines(results)):
+        # its own mkdir's error, or the other rank's: every rank learns whether the folder was made everywhere
+        assert re.match(rf"pretrain.train: error: rank {rank}: checkpoint step_8 not saved: (rank \d could not write "
+                        rf"it: )?no space left on device \(ENOSPC\): {re.escape(str(run_dir))}/checkpoints/step_8",
+                        line), line
+        assert line.endswith("; step_4 stays the newest checkpoint; once there is space again (or with run.dir "
+                             "moved), run the same command again"), line
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_4\n"
+    # room made, the same command continues from step 4 to the end
+    (disk / "filler").unlink()
+    results = launch_like_srun(2, TRAIN, argv, cwd=REPO)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+
+
+def test_a_filesystem_turning_read_only_is_reported_by_its_first_error(shards, small_disk):
+    # ext4's errors=remount-ro after an error, as a failing disk does: before, each rank printed four chained
+    # OSErrors, the last from the run lock's release, hiding the first
+    disk, trigger = small_disk
+    run_dir = disk / "run"
+    fault = f"open({str(trigger)!r}, 'w').write('1')"
+    results = launch_like_srun(2, _BEFORE_SECOND_SAVE.replace("FAULT", fault), _argv(run_dir, shards), cwd=REPO)
+    assert [code for code, _ in results] == [EXIT_FAILED] * 2
+    for rank, line in enumerate(_storage_lines(results)):
+        assert line.startswith(f"pretrain.train: error: rank {rank}: checkpoint step_8 not saved: read-only file "
+                               f"system (EROFS): {run_dir / 'checkpoints' / 'step_8'}"), line
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_4\n"
 
 
 def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
@@ -374,14 +479,16 @@ def _processes() -> dict[int, tuple[str, int]]:
 
 
 def _lock_free(run_dir: Path) -> bool:
-    fd = os.open(run_dir / "lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    """Neither of the run lock's flocks is held: the run folder's nor its lock file's."""
+    for path, flags in ((run_dir, os.O_RDONLY | os.O_DIRECTORY), (run_dir / "lock", os.O_RDWR)):
+        fd = os.open(path, flags)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+    return True
 
 
 def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):

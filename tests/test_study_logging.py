@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import socket
 import struct
 from pathlib import Path
 
@@ -112,6 +113,27 @@ def test_wandb_offline_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     image = run / "files" / rows[1]["mixture_heads/encoder/random/path"]
     np.testing.assert_array_equal(np.asarray(Image.open(image).convert("RGB")), np.zeros((8, 8, 3), dtype=np.uint8))
     assert (run / "files" / rows[1]["config/path"]).read_text().endswith("<pre>model:\n  d_model: 32\n</pre>")
+
+
+def test_wandb_without_a_login_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    # log.wandb=PROJECT on a machine with no W&B login: before, wandb.init's UsageError was a traceback on rank 0
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no stored key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with socket.socket() as s:  # a local port nobody listens on: nothing can leave the machine
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed}")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path / "run", enabled=True, wandb="synthesizer-test")
+    logger.write(1, {"loss": 4.0})
+    logger.close()
+    assert ("log.wandb=synthesizer-test: W&B did not take the run (No API key configured. Use `wandb login` to log "
+            f"in.); logging it offline in {tmp_path / 'run' / 'wandb'} instead") in caplog.text
+    (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert [(r["_step"], r["loss"]) for r in _wandb_history(next(run.glob("*.wandb")))] == [(1, 4.0)]
 
 
 def _wandb_history(path: Path) -> list[dict]:

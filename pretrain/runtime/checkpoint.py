@@ -18,9 +18,10 @@ Which checkpoint a run starts from (`find_resume`): its own newest complete inta
 (so a requeued job continues where it stopped, whatever `checkpoint.resume` says), else `checkpoint.resume`
 (`auto`: none; a path: that complete intact checkpoint; `none`: none, and refused where the run.dir holds
 checkpoints: two runs never share a folder). A resume with another model, tokenizer or train shard list is
-refused. Resuming on another TP/DP layout goes through DeepSpeed's universal checkpoint: `prepare_resume`
-converts `step_N/` into `step_N_universal/` (on rank 0) when that finishes well inside the process-group timeout,
-and otherwise asks for `python -m pretrain.reshard` first.
+refused. Resuming on another TP/DP layout, precision or ZeRO stage (recorded in `trainer_state.json`) goes
+through DeepSpeed's universal checkpoint: `prepare_resume` converts `step_N/` into `step_N_universal/` (on rank 0)
+when that finishes well inside the process-group timeout, and otherwise asks for `python -m pretrain.reshard`
+first; a change DeepSpeed cannot carry (ZeRO 0 on either side, ZeRO 3 <-> 1/2) is refused in one line.
 
 Our files are loaded with `weights_only=True`; DeepSpeed's own files are pickles (resume only from checkpoints
 you trust: docs/training.md).
@@ -45,9 +46,12 @@ import yaml
 from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
-from pretrain.core.manifest import (LATEST, check_complete, check_intact, complete_steps, damaged_parts, describe,
-                               fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic, write_marker)
+from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_intact, complete_steps, damaged_parts,
+                                    describe, fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic,
+                                    write_marker)
 from pretrain.distributed.parallel import ParallelDims
+from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
+                                     writing)
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +59,6 @@ INPUTS, TOKENIZER = "inputs.json", "spiece.model"
 UNIVERSAL_SUFFIX = "_universal"
 # a conservative rate for DeepSpeed's universal conversion on one process (it reads and rewrites every shard)
 CONVERT_BYTES_PER_S = 20e6
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save that could not write its files (disk full, quota, I/O error); the run stops, nothing is lost."""
 
 
 class DataStateful(Protocol):
@@ -90,7 +90,7 @@ class ResumePlan:
     """What `prepare_resume` decided: the checkpoint folder, its state, and where DeepSpeed loads from."""
 
     path: Path
-    state: dict[str, int]  # trainer_state.json: the Progress fields + tp, dp
+    state: dict  # trainer_state.json: the Progress fields, tp, dp, precision, zero_stage (not in older ones)
     load_dir: Path  # the folder above DeepSpeed's tag folder
     load_tag: str  # step_N, or step_N_universal when the layout changed
     universal: bool
@@ -206,28 +206,61 @@ def usable_universal(universal: Path, rank: int = 0, world: int = 1) -> bool:
     return not missing_parts(universal) and not damaged_parts(universal, rank, world)
 
 
-def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims,
-                   timeout_s: float) -> ResumePlan:
-    """Validate the checkpoint against this run; on another layout, convert it to a universal one (rank 0) when
-    that finishes well inside the process-group timeout (the other ranks wait at a barrier), else refuse."""
+def _changes(state: dict, dims: ParallelDims, precision: str, zero_stage: int) -> list[str]:
+    """What this run changes of what wrote the checkpoint, in words; a checkpoint from before precision and ZeRO
+    stage were recorded in trainer_state.json counts as written with this run's."""
+    then, now = f"TP {state['tp']} x DP {state['dp']}", f"TP {dims.tp} x DP {dims.dp}"
+    changes = [f"{then} -> {now}"] if then != now else []
+    for key, saved, current in (("precision", state.get("precision", precision), precision),
+                                ("zero.stage", state.get("zero_stage", zero_stage), zero_stage)):
+        if saved != current:
+            changes.append(f"{key} {saved} -> {current}")
+    return changes
+
+
+def _check_universal_stages(path: Path, state: dict, changes: list[str], zero_stage: int) -> None:
+    """Refuse, in one line, a change DeepSpeed's universal checkpoint cannot carry (DeepSpeed 0.19.8). ZeRO 0 writes
+    no optimizer partitions to convert, and a universal load at ZeRO 0 loads neither weights nor optimizer (read from
+    its engine.py); ZeRO 3 and ZeRO 1/2 read each other's universal optimizer state as `KeyError:
+    'optimizer_state_dict'` (1 -> 3) and `Empty ds_version in checkpoint` (3 -> 1), tried on CPU. What loads there:
+    fp32 <-> bf16 at ZeRO 1, 2 and 3, and ZeRO 1 <-> 2."""
+    written = state.get("zero_stage", zero_stage)
+    fix = {0: "zero.stage=0 and none of those changes", 3: "zero.stage=3"}.get(written, "zero.stage 1 or 2")
+    if written == 0 or zero_stage == 0:
+        why = "which needs ZeRO >= 1 on both sides (ZeRO 0 writes no optimizer partitions and loads none)"
+    elif (written == 3) != (zero_stage == 3):
+        why = "whose ZeRO 3 and ZeRO 1/2 forms DeepSpeed cannot load into each other"
+    else:
+        return
+    raise UsageError(f"cannot resume {path} with {', '.join(changes)}: DeepSpeed carries a checkpoint across that "
+                     f"only as a universal checkpoint, {why}; resume with {fix}, or export it (python -m "
+                     "pretrain.export) and start a new run.dir with init=EXPORT (its weights, a fresh optimizer)")
+
+
+def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims, timeout_s: float, *,
+                   precision: str, zero_stage: int) -> ResumePlan:
+    """Validate the checkpoint against this run. On another layout, precision or ZeRO stage, whose files DeepSpeed
+    cannot load directly (fp32 -> bf16 looks for files the fp32 run never wrote; 1 -> 3 and 1 -> 0 fail inside
+    DeepSpeed), convert it to a universal one (rank 0) when that finishes well inside the process-group timeout
+    (the other ranks wait at a barrier); else, or where DeepSpeed cannot carry the change, refuse in one line."""
     state = json.loads((path / "trainer_state.json").read_text())
     saved_model = yaml.safe_load((path / "config.yaml").read_text())["model"]
     check_same_model(saved_model, model_cfg, path)
     inputs.check_resume(path)
-    if (state["tp"], state["dp"]) == (dims.tp, dims.dp):
+    changes = _changes(state, dims, precision, zero_stage)
+    if not changes:
         return ResumePlan(path, state, path.parent, path.name, universal=False)
+    _check_universal_stages(path, state, changes, zero_stage)
     universal = path.parent / (path.name + UNIVERSAL_SUFFIX)
     if not usable_universal(universal, dims.rank, dims.world):
         seconds = _bytes(path) / CONVERT_BYTES_PER_S
         if seconds > timeout_s / 4:
             raise UsageError(
-                f"resuming {path} (TP {state['tp']} x DP {state['dp']}) at TP {dims.tp} x DP {dims.dp} needs a "
-                f"universal checkpoint, about {seconds:.0f} s of conversion, too long to wait for inside "
-                f"parallel.timeout_s ({timeout_s:.0f} s); run `python -m pretrain.reshard --run "
-                f"{path.parent.parent}` (or slurm/reshard.sbatch) first")
+                f"resuming {path} with {', '.join(changes)} needs a universal checkpoint, about {seconds:.0f} s of "
+                f"conversion, too long to wait for inside parallel.timeout_s ({timeout_s:.0f} s); run "
+                f"`python -m pretrain.reshard --run {path.parent.parent}` (or slurm/reshard.sbatch) first")
         if dims.rank == 0:
-            log.info("layout TP %d x DP %d -> TP %d x DP %d: converting %s to a universal checkpoint",
-                     state["tp"], state["dp"], dims.tp, dims.dp, path)
+            log.info("%s: converting %s to a universal checkpoint", ", ".join(changes), path)
             convert_to_universal(path, universal)
     dist.barrier()
     return ResumePlan(path, state, universal.parent, universal.name, universal=True)
@@ -255,7 +288,7 @@ def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
 # Files
 # ----------------------------------------------------------------------------------------------------------------
 def _save_torch(obj: Any, path: Path) -> None:
-    with path.open("wb") as f:
+    with writing(path), path.open("wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -275,6 +308,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _precision_of(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
 @contextlib.contextmanager
 def _noting_writes(engine, written: list[Path]) -> Iterator[None]:
     """Note the paths DeepSpeed saves to: it writes every state file through `engine.checkpoint_engine.save`."""
@@ -282,7 +319,9 @@ def _noting_writes(engine, written: list[Path]) -> Iterator[None]:
     save = checkpoint_engine.save
 
     def save_and_note(state_dict, path) -> None:
-        save(state_dict, path)
+        # into a Python file: given a path, torch's own writer reports a full disk as "file write failed", no errno
+        with writing(path), open(path, "wb") as f:
+            save(state_dict, f)
         written.append(Path(path))
 
     checkpoint_engine.save = save_and_note
@@ -316,21 +355,57 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(self.root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
         dist.barrier()
-        try:
+        self._make_folder(path)
+        with self._storage_failures(path):
             # checksummed by the rank that wrote them, while they are in its page cache: every rank in parallel
             mine = describe(path, self._write(path))
-        except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointWriteError(f"rank {self.dims.rank}: writing {path} failed ({first}); is the disk full or "
-                                       "over quota? `latest` still names the previous complete checkpoint") from e
         # rank 0 gets every rank's list only once every rank's files are written and closed
         lists: list[dict] | None = [{} for _ in range(self.dims.world)] if self.dims.rank == 0 else None
         dist.gather_object(mine, lists, dst=0)
         if self.dims.rank == 0:
-            self._commit(path, {name: entry for found in lists for name, entry in found.items()})
+            with self._storage_failures(path):
+                self._commit(path, {name: entry for found in lists for name, entry in found.items()})
         dist.barrier()
         log.info("checkpoint %s saved", path)
         return path
+
+    def _make_folder(self, path: Path) -> None:
+        """Every rank makes the step's folder, and all learn whether one could not (a full disk shows here first):
+        a rank that went on into DeepSpeed's save would wait in its first collective for one that had stopped, and
+        could only say that another rank failed first. DeepSpeed's own makedirs logs such a failure and goes on to
+        "No such file or directory", which names no cause."""
+        mine = None
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if (failure := storage_failure(e)) is None:
+                raise
+            mine = (failure.errno, describe_storage_failure(failure))
+        outcomes: list[tuple[int, str] | None] = [None] * self.dims.world
+        dist.all_gather_object(outcomes, mine)
+        for rank, outcome in [(self.dims.rank, mine), *enumerate(outcomes)]:  # this rank's own failure first
+            if outcome is not None:
+                raise self._not_saved(path, *outcome, rank)
+
+    @contextlib.contextmanager
+    def _storage_failures(self, path: Path) -> Iterator[None]:
+        """A write the storage refused (full, over quota, read-only) becomes this rank's one line (StorageError);
+        any other error keeps its traceback."""
+        try:
+            yield
+        except (OSError, RuntimeError) as e:  # torch's zip writer wraps a failed write in a RuntimeError
+            if (failure := storage_failure(e)) is None:
+                raise
+            raise self._not_saved(path, failure.errno, describe_storage_failure(failure), self.dims.rank) from e
+
+    def _not_saved(self, path: Path, code: int, failure: str, rank: int) -> StorageError:
+        """The one line of a save that rank `rank`'s storage refused (`code`: the errno; `failure`: what, where)."""
+        kept = complete_steps(self.root)
+        newest = f"{tag_for(kept[-1])} stays the newest checkpoint" if kept else \
+            "no checkpoint of this run is complete yet"
+        whose = "" if rank == self.dims.rank else f"rank {rank} could not write it: "
+        return StorageError(f"rank {self.dims.rank}: checkpoint {path.name} not saved: {whose}{failure}; {newest}; "
+                            f"once {STORAGE_ERRNOS[code]} (or with run.dir moved), run the same command again")
 
     def _write(self, path: Path) -> list[Path]:
         """This rank's files of the checkpoint: DeepSpeed's shards, the data position, the generators, and (rank 0)
@@ -345,10 +420,14 @@ class CheckpointManager:
             ours.append(path / f"data_dp{self.dims.dp_rank}.pt")
             _save_torch(self.data.state_dict(), ours[-1])
         if self.dims.rank == 0:
-            state = {**self.progress.state_dict(), "tp": self.dims.tp, "dp": self.dims.dp}
-            write_atomic(path / "trainer_state.json", json.dumps(state, indent=1))
-            write_atomic(path / "config.yaml", self.config_yaml)
-            write_atomic(path / INPUTS, json.dumps(self.inputs.record(), indent=1))
+            # what DeepSpeed's files depend on besides the layout: a resume with another precision or ZeRO stage
+            # goes through the universal checkpoint (prepare_resume)
+            state = {**self.progress.state_dict(), "tp": self.dims.tp, "dp": self.dims.dp,
+                     "precision": _precision_of(self.engine), "zero_stage": self.engine.zero_optimization_stage()}
+            for name, text in (("trainer_state.json", json.dumps(state, indent=1)), ("config.yaml", self.config_yaml),
+                               (INPUTS, json.dumps(self.inputs.record(), indent=1))):
+                with writing(path / name):
+                    write_atomic(path / name, text)
             shutil.copyfile(self.inputs.tokenizer, path / TOKENIZER)  # fsync'd by the commit
             ours += [path / name for name in ("trainer_state.json", "config.yaml", INPUTS, TOKENIZER)]
         return [f for f in written if f.parent == path] + ours
@@ -363,10 +442,12 @@ class CheckpointManager:
             fsync_path(folder)
         # DeepSpeed also copies its recovery scripts (rank 0, outside its checkpoint engine): checksummed here
         unlisted = [f for f in files if str(f.relative_to(path)) not in listed]
-        write_marker(path, dict(sorted({**listed, **describe(path, unlisted)}.items())))
+        with writing(path / COMPLETE):
+            write_marker(path, dict(sorted({**listed, **describe(path, unlisted)}.items())))
         if (self.root / LATEST).is_dir() and not (self.root / LATEST).is_symlink():
             shutil.rmtree(self.root / LATEST)  # not ours: `latest` is a file, and only a file can replace it
-        write_atomic(self.root / LATEST, path.name + "\n")
+        with writing(self.root / LATEST):
+            write_atomic(self.root / LATEST, path.name + "\n")
         self._prune(newest=path.name)
 
     def _prune(self, newest: str) -> None:
@@ -385,7 +466,8 @@ class CheckpointManager:
         if load_path is None:
             raise UsageError(f"DeepSpeed found no checkpoint in {plan.load_dir / plan.load_tag}")
         self.progress.load_state_dict(plan.state)
-        if not plan.universal:  # a new layout starts fresh generators (there is no rank-to-rank mapping)
+        # on another layout the generators start fresh: there is no rank-to-rank mapping
+        if (plan.state["tp"], plan.state["dp"]) == (self.dims.tp, self.dims.dp):
             _set_rng_state(torch.load(plan.path / f"rng_rank{self.dims.rank}.pt", weights_only=True))
         if self.data is not None:  # every saved DP rank's part: the data continues on any layout
             self.data.load_state_dict({"ranks": [torch.load(plan.path / f"data_dp{r}.pt", weights_only=True)

@@ -6,7 +6,9 @@ Exit codes:
   EXIT_OK (0)          training reached train.steps, or train.exit_after steps were done (checkpoint saved)
   EXIT_FAILED (1)      an error: its traceback on the failing rank; every other rank fails within about twice
                        parallel.timeout_s, with one line saying another rank failed first (or, where a collective
-                       timed out, that a rank never arrived: stalled or hung)
+                       timed out, that a rank never arrived: stalled or hung). Storage that refuses a write (a full
+                       disk, a quota, a file size limit, a read-only filesystem: `StorageError`) is no bug: one line
+                       per rank naming the errno and the file, no traceback; what was saved before stays
   EXIT_USAGE (2)       a user mistake (pretrain.core.config.UsageError: config, inputs, layout): one line on stderr;
                        found by one rank only (its shards, its data), it is passed to the others through the job's
                        store, and every rank ends with that line and this code (`_share_usage_error`)
@@ -17,15 +19,19 @@ Exit codes:
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import logging
 import multiprocessing
+import os
 import re
 import signal
 import sys
 import traceback
 import types
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -46,6 +52,51 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 class Diverged(RuntimeError):
     """Too many non-finite losses; the message names the step."""
+
+
+# what storage says when it cannot take a write (none of them is a bug, none comes from a read), and when it will
+# take it again
+STORAGE_ERRNOS = {errno.ENOSPC: "there is space again", errno.EDQUOT: "the quota allows it",
+                  errno.EFBIG: "the file-size limit (ulimit -f) allows it",
+                  errno.EROFS: "the filesystem is writable again"}
+
+
+class StorageError(RuntimeError):
+    """A write the storage refused (`STORAGE_ERRNOS`); the message is the one line a rank prints."""
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """`e` and the errors it came from (its cause, else its context), the last raised first."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """OSErrors raised inside name `path` where they name no file: a failed write() or flush() names none, and
+    torch.save into a file raises its own errors over the write's (`OSError` <- `RuntimeError` <- `OSError`)."""
+    try:
+        yield
+    except Exception as e:
+        for error in _chain(e):
+            if isinstance(error, OSError) and error.filename is None:
+                error.filename = str(path)
+        raise
+
+
+def storage_failure(e: BaseException) -> OSError | None:
+    """The first-raised OSError with a `STORAGE_ERRNOS` errno among `e` and the errors it came from, else None."""
+    found = [x for x in _chain(e) if isinstance(x, OSError) and x.errno in STORAGE_ERRNOS]
+    return found[-1] if found else None
+
+
+def describe_storage_failure(e: OSError) -> str:
+    """`no space left on device (ENOSPC): PATH`."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{os.strerror(e.errno).lower()} ({errno.errorcode[e.errno]}){where}"
 
 
 class PreemptionFlag:
@@ -103,6 +154,16 @@ def _peer_failure_line(e: BaseException) -> str:
                 "rank printed an error, a rank stalled or hung (stopped, swapping, a lost node)")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"a collective failed ({first}); another rank failed first, its error is the one to read"
+
+
+def _storage_line(e: BaseException, rank: int) -> str | None:
+    """The line of the first storage failure among `e` and the errors it came from (cleanup that failed on the same
+    storage afterwards, closing files or releasing the lock, raised its errors over it), else None."""
+    ours = [str(x) for x in _chain(e) if isinstance(x, StorageError)]
+    if ours:
+        return ours[-1]
+    failure = storage_failure(e)
+    return f"rank {rank}: {describe_storage_failure(failure)}" if failure is not None else None
 
 
 def _user_message(e: UsageError) -> str:
@@ -165,9 +226,10 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
     """Run a job's body and map its failures to exit codes; child processes and process groups always end.
 
     UsageError -> one line on stderr, EXIT_USAGE, on every rank (`_share_usage_error`); Diverged -> EXIT_DIVERGED;
-    a collective that failed because another rank failed first or never arrived -> one line saying which
-    (`_peer_failure_line`), EXIT_FAILED (the first error is that rank's); anything else -> its traceback, once,
-    EXIT_FAILED.
+    storage that refused a write (`StorageError`, or an OSError of `STORAGE_ERRNOS` raised anywhere) -> one line
+    naming the errno and the file, the first such failure of the chain, EXIT_FAILED; a collective that failed
+    because another rank failed first or never arrived -> one line saying which (`_peer_failure_line`), EXIT_FAILED
+    (the first error is that rank's); anything else -> its traceback, once, EXIT_FAILED.
     """
     try:
         return job()
@@ -182,10 +244,13 @@ def run_with_exit_codes(job: Callable[[], int], prog: str) -> int:
         return EXIT_DIVERGED
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if _is_peer_failure(e) and (line := _peer_usage_error()) is not None:
+        storage = _storage_line(e, rank)
+        if storage is not None:
+            print_error(prog, storage)
+        elif _is_peer_failure(e) and (line := _peer_usage_error()) is not None:
             print_error(prog, line)  # the rank that found it printed it too: the same line, and the same code
             return EXIT_USAGE
-        if _is_peer_failure(e):
+        elif _is_peer_failure(e):
             print(f"{prog}: rank {rank}: {_peer_failure_line(e)}", file=sys.stderr)
         else:
             print(f"{prog}: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pretrain.runtime.faults import writing
+
 log = logging.getLogger(__name__)
 
 # dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity)
@@ -81,20 +83,16 @@ class MetricsLogger:
         # purge_step hides the same stale steps from TensorBoard
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if wandb:
-            import wandb as wandb_lib  # optional dependency, imported only when asked for
-
-            # one id per run folder: a restarted job continues the same W&B run
-            run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-            self._wandb = wandb_lib.init(project=wandb, name=run_dir.name, id=run_id, resume="allow",
-                                         dir=str(run_dir), config=config or {})
+            self._wandb = _start_wandb(wandb, run_dir, config or {})
 
     def write(self, step: int, scalars: dict[str, float], tokens_seen: int | None = None) -> None:
         """One metrics line; with `tokens_seen`, the same scalars also under `by_tokens/` with tokens as the x axis."""
         if not self.enabled:
             return
         extra = {} if tokens_seen is None else {"tokens_seen": tokens_seen}
-        self._file.write(json.dumps({"step": step, **scalars, **extra}) + "\n")
-        self._file.flush()
+        with writing(self.path):  # a full disk is then one line naming the file (faults.run_with_exit_codes)
+            self._file.write(json.dumps({"step": step, **scalars, **extra}) + "\n")
+            self._file.flush()
         for key, value in scalars.items():
             self._tb.add_scalar(key, value, step)
             if tokens_seen is not None:
@@ -136,6 +134,27 @@ class MetricsLogger:
 
                 self._wandb.finish()
                 wandb_lib.teardown()  # finish() returns before the W&B service has flushed the run to disk
+
+
+def _start_wandb(project: str, run_dir: Path, config: dict):
+    """The W&B run that mirrors the metrics: online where W&B takes it; where it does not (no login, a server that
+    refuses or cannot be reached: wandb.init raised a traceback on rank 0 before), offline under run.dir/wandb, with
+    a warning. Offline rather than one line and exit 2: the mirror is not worth the job (metrics.jsonl and
+    TensorBoard hold every scalar), a requeued job whose login lapsed would otherwise stop at every restart, and
+    `wandb sync` uploads the offline run later."""
+    import wandb as wandb_lib  # optional dependency, imported only when asked for
+
+    # one id per run folder: a restarted job continues the same W&B run
+    run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    settings = dict(project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), config=config)
+    try:
+        return wandb_lib.init(**settings)
+    except wandb_lib.errors.Error as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        log.warning("log.wandb=%s: W&B did not take the run (%s); logging it offline in %s instead: upload it later "
+                    "with `wandb sync %s/offline-run-*` (metrics.jsonl and TensorBoard are complete either way)",
+                    project, reason, run_dir / "wandb", run_dir / "wandb")
+        return wandb_lib.init(**settings, mode="offline")
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:

@@ -344,6 +344,9 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
     run_dir, output = Path(run_dir), Path(output)
     if output.exists():
         raise UsageError(f"{output} already exists; remove it or choose another --output")
+    if output.resolve().is_relative_to((run_dir / "checkpoints").resolve()):  # the trainer's: pruned, re-saved
+        raise UsageError(f"--output {output} is inside {run_dir / 'checkpoints'}, whose folders the run's saves prune "
+                         "and replace; choose a folder outside it")
     ckpt = find_checkpoint(run_dir, step)
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg = ModelConfig(**saved["model"])
