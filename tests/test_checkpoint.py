@@ -202,15 +202,15 @@ def test_a_cut_or_garbled_metrics_line_is_named_and_does_not_block_the_resume(tm
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 5, "lo')  # the last one cut by a kill
     with caplog.at_level("WARNING", logger="pretrain.runtime.metrics"):
         logger = MetricsLogger(tmp_path, enabled=True, start_step=3)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and [w.split(" is no metrics record")[0] for w in warnings] == \
+        [f"{tmp_path / 'metrics.jsonl'} line 2 of 5", f"{tmp_path / 'metrics.jsonl'} line 5 of 5"], warnings
+    assert warnings[1].endswith("""dropped: '{"step": 5, "lo'""")
     assert [logger.lacks(step) for step in (1, 2, 3)] == [False, True, False]  # the resume knows what it lost
     logger.write(4, {"loss": 0.5})
     logger.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, "loss": 1.0}, {"step": 3, "loss": 1.0}, {"step": 4, "loss": 0.5}]
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2 and [w.split(" is no metrics record")[0] for w in warnings] == \
-        [f"{tmp_path / 'metrics.jsonl'} line 2 of 5", f"{tmp_path / 'metrics.jsonl'} line 5 of 5"], warnings
-    assert warnings[1].endswith("""dropped: '{"step": 5, "lo'""")
 
 
 _HOLD = """

@@ -195,23 +195,24 @@ def test_preempted_or_killed_finetuning_resumes_to_the_same_results(tmp_path, to
     whole, stopped = [*common, f"run.dir={tmp_path / 'whole'}"], [*common, f"run.dir={tmp_path / 'stopped'}"]
     # the same command again and again: train.exit_after ends the first start at step 2 (checkpoint); SIGTERM
     # during the evaluation of step 3 ends the second (step 3 saved, exit 75: a requeue); the third evaluates step 3
-    # again (its metrics line was never written), and SIGTERM after its first step ends it at step 5; SIGTERM during
-    # the final evaluation (step 6) ends the fourth, SIGKILL during that evaluation done again the fifth (a scheduler
-    # that lost patience: no exit code, no metrics line, no results); the sixth evaluates step 6 and writes them
+    # again (its metrics line was never written), and SIGTERM after its first step ends it at step 5; SIGKILL during
+    # the final evaluation ends the fourth (a scheduler out of patience: no exit code, no metrics line, no results);
+    # SIGTERM during that evaluation done again ends the fifth; the sixth evaluates step 6 and writes the results
     runs = [(whole, None), ([*stopped, "train.exit_after=2"], None), (stopped, "sigterm_eval"),
-            (stopped, ("sigterm", 1)), (stopped, "sigterm_eval")]
-    assert run_distributed(_finetune_chain, 1, runs) == [([0, 0, EXIT_PREEMPTED, EXIT_PREEMPTED, EXIT_PREEMPTED],
-                                                           [0, 0, 0, 0, 0])]  # stopped before a batch, twice
-    assert not (tmp_path / "stopped" / "submission").exists()
+            (stopped, ("sigterm", 1))]
+    assert run_distributed(_finetune_chain, 1, runs) == [([0, 0, EXIT_PREEMPTED, EXIT_PREEMPTED], [0, 0, 0, 0])]
     with pytest.raises(RuntimeError, match="died with exit code -9"):
         run_distributed(_finetune_chain, 1, [(stopped, "sigkill_eval")])
-    assert run_distributed(_finetune_chain, 1, [(stopped, None)]) == [([0], [0])]
+    assert not (tmp_path / "stopped" / "submission").exists()
+    # the evaluation stops before a batch (it never returned) and exits 75; the next start writes the results
+    assert run_distributed(_finetune_chain, 1, [(stopped, "sigterm_eval"), (stopped, None)]) == \
+        [([EXIT_PREEMPTED, 0], [0, 0])]
     checkpoints = tmp_path / "stopped" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_6"]  # keep 1
     results = [json.loads((tmp_path / run / "results.json").read_text()) for run in ("whole", "stopped")]
     assert results[0] == results[1] and "accuracy" in results[0]["sst2"]
-    assert [(tmp_path / run / "submission" / "SST-2.tsv").read_text() for run in ("whole", "stopped")] == \
-        [(tmp_path / "whole" / "submission" / "SST-2.tsv").read_text()] * 2
+    submissions = [(tmp_path / run / "submission" / "SST-2.tsv").read_text() for run in ("whole", "stopped")]
+    assert submissions[0] == submissions[1]
     metrics = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
                for run in ("whole", "stopped")]
     assert [r["step"] for r in metrics[1]] == list(range(1, 7))  # the lines of steps 3 and 6 too
