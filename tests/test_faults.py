@@ -195,6 +195,12 @@ def _training(run_dir: Path, launcher: subprocess.Popen) -> bool:
     return metrics.exists() and '"loss"' in metrics.read_text()
 
 
+def _last_step(run_dir: Path) -> int:
+    """The last step with a line in metrics.jsonl (0: none)."""
+    metrics = run_dir / "metrics.jsonl"
+    return max(map(int, re.findall(r'"step": (\d+)', metrics.read_text() if metrics.exists() else "")), default=0)
+
+
 def _started(run_dir: Path, launcher: subprocess.Popen, line: str) -> bool:
     """The job printed `line` (a start-up line)."""
     assert launcher.poll() is None, (run_dir.parent / "stderr").read_text()[-3000:]
@@ -262,8 +268,9 @@ def test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit(shards
     _preempted_everywhere(run_dir)
     # 4. the next start trains; SIGTERM after a step saves it; signals repeated from "exiting 75" until the launcher
     #    has ended (an impatient scheduler, a second Ctrl-C) change nothing, also while Python finalizes
+    before = _last_step(run_dir)  # a line of step 1, if step 3's signal came after the last start-up check
     launcher = _launch(run_dir, shards)
-    _wait_for(lambda: _training(run_dir, launcher), "the first step")
+    _wait_for(lambda: _training(run_dir, launcher) and _last_step(run_dir) > before, "a step")
     launcher.send_signal(signal.SIGTERM)
     _wait_for(lambda: "exiting 75" in (tmp_path / "stderr").read_text() or launcher.poll() is not None, "exiting 75")
     repeats = 0
@@ -275,15 +282,20 @@ def test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit(shards
     assert "checkpoint saved, exiting 75" in _preempted_everywhere(run_dir)
     saved = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / saved / "complete.json").is_file()
-    # 5. the next start resumes from it; Ctrl-C during training saves again
+    # 5. the next start resumes from it; then the OOM killer or a node agent SIGKILLs the launcher, which forwards
+    #    nothing: the ranks must not train on as orphans holding the run lock; the kernel's parent-death signal
+    #    makes them save and stop
     launcher = _launch(run_dir, shards)
-    resumed = lambda: _training(run_dir, launcher) and \
-        max(map(int, re.findall(r'"step": (\d+)', (run_dir / "metrics.jsonl").read_text()))) > int(saved[5:])
-    _wait_for(resumed, "a resumed step")
-    os.killpg(launcher.pid, signal.SIGINT)
-    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
-    _preempted_everywhere(run_dir)
-    assert int((run_dir / "checkpoints" / "latest").read_text().strip()[5:]) > int(saved[5:])
+    _wait_for(lambda: _training(run_dir, launcher) and _last_step(run_dir) > int(saved[5:]), "a resumed step")
+    ranks = _ranks_of(launcher)  # torchrun's: sessions of their own
+    assert len(ranks) == 2
+    launcher.kill()
+    launcher.wait()
+    # zombies do not count: an orphan's new parent may be slow to reap it
+    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
+    assert _lock_free(run_dir)
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / step / "complete.json").is_file() and int(step[5:]) > int(saved[5:])
 
 
 def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
@@ -371,23 +383,6 @@ def _lock_free(run_dir: Path) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
-    # the OOM killer or a node agent SIGKILLs the launcher, which forwards nothing: the ranks must not train on as
-    # orphans holding the run lock; the kernel's parent-death signal makes them save and stop
-    run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, shards)
-    _wait_for(lambda: _training(run_dir, launcher), "the first step")
-    ranks = [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]  # torchrun's: sessions
-    assert len(ranks) == 2                                                                 # of their own
-    launcher.kill()
-    launcher.wait()
-    # zombies do not count: an orphan's new parent may be slow to reap it
-    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
-    assert _lock_free(run_dir)
-    step = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert (run_dir / "checkpoints" / step / "complete.json").is_file()
 
 
 def test_an_aborted_rank_leaves_no_loader_worker_and_frees_the_run_lock(shards, tmp_path):
