@@ -8,17 +8,23 @@ ranks' "preempted, checkpoint saved" code; and a rank's one-line error is follow
 `ChildFailedError` report. This launcher runs torchrun itself (`torch.distributed.run.run`, its option parser and
 agent), so every torchrun option works (`--standalone`, `--nnodes`, `--rdzv-backend c10d`, ...), with two changes:
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the ranks, which decide what they mean (the jobs checkpoint and
-  exit 75: pretrain.runtime.faults), and the agent keeps watching the ranks until they exit;
+  exit 75: pretrain.runtime.faults), and the agent keeps watching the ranks until they exit; one that arrives
+  before the ranks exist (torch's import, the rendezvous) ends the launcher with 75 at once (nothing to save), one
+  after they ended changes nothing;
 - the launcher exits with the ranks' code (`job_exit_code`) and prints nothing after their last line, except for
   a rank killed by a signal, which could not say so itself (one line); a rank that crashed (SIGABRT, SIGSEGV...)
   makes it 128 + N, never the ranks' "preempted" code, so a requeue wrapper does not requeue a crash.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 import types
 from typing import Sequence
 
@@ -48,11 +54,29 @@ def _children() -> list[int]:
     return pids
 
 
+class _PreemptedBeforeRanks(BaseException):
+    """A preemption signal before the ranks started: nothing to save. A BaseException, so that it passes torchrun's
+    `except Exception` clauses (their `finally` still closes the rendezvous)."""
+
+
+_ranks_started = threading.Event()
+
+
+def _watch_for_ranks() -> None:
+    """Mark when the ranks exist (every 0.1 s until then: seconds), so that a signal which finds none can tell
+    "not yet" from "ended"."""
+    while not _children():
+        time.sleep(0.1)
+    _ranks_started.set()
+
+
 def _forward(signum: int, frame: types.FrameType | None) -> None:
     ranks = _children()
-    if not ranks:  # before the ranks start (rendezvous): nothing to save, end as the signal would
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    if not ranks:
+        if _ranks_started.is_set():  # they ended: the launcher is on its way out with their code
+            return
+        raise _PreemptedBeforeRanks(signum)  # torch's import or the rendezvous: nothing to save
+    _ranks_started.set()
     for pid in ranks:
         try:
             os.kill(pid, signum)
@@ -86,14 +110,31 @@ def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for sig in FORWARDED_SIGNALS:  # first: torch's import below takes seconds
+        signal.signal(sig, _forward)
+    threading.Thread(target=_watch_for_ranks, daemon=True).start()
+    try:
+        return _launch(argv)
+    except _PreemptedBeforeRanks as e:
+        print(f"launch.run: preempted by {signal.Signals(e.args[0]).name} before the ranks started: nothing to save, "
+              f"exiting {EXIT_PREEMPTED}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        # the ranks have ended: a repeated signal changes nothing (Python's finalization would restore the default
+        # action, and the launcher would die of it: 130, 138, 143)
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        # spare the interpreter's final collection of torch's objects (pretrain.runtime.faults.freeze_at_exit: why)
+        atexit.register(gc.freeze)
+
+
+def _launch(argv: Sequence[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # deferred: --help stays fast
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (launch/env.py)
     args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, _forward)
     # the agent's own report of a failed rank (its exit code, pid, closing the others): the ranks said it already
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -15,6 +15,8 @@ predictions under `RUN/submission/`.
 from __future__ import annotations
 
 if __name__ == "__main__":  # answer --help before the heavy imports below (torch, DeepSpeed, megatron: seconds)
+    from pretrain.runtime.preemption import watch_preemption
+    watch_preemption()  # and record a preemption signal from now on: the job exits 75 at its first agreed check
     from pretrain.core.cli import exit_on_help
     exit_on_help("FinetuneConfig", prog="pretrain.finetune")
 
@@ -33,7 +35,8 @@ from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, Mode
                              TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, input_limit, write_results
-from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes
+from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes, stop_if_preempted
+from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger
@@ -184,8 +187,10 @@ class TaskEvaluation:
 
     def __call__(self, step: int, final: bool) -> dict[str, float]:
         submission = self.run_dir / "submission" if final and self.cfg.eval.submission else None
+        device = next(self.model.parameters()).device
         results = evaluate_task(self.model, self.tokenizer, self.task, self.cfg.data.dir, self.cfg.eval.method,
-                                self.cfg.eval.batch, self.max_input_length, self.cfg.eval.limit, submission)
+                                self.cfg.eval.batch, self.max_input_length, self.cfg.eval.limit, submission,
+                                between_batches=lambda: stop_if_preempted(device, "during evaluation"))
         record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
         if self.rank == 0:
             write_results(self.run_dir, results)
@@ -197,6 +202,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     # 1. Process groups, checks, the task and its files (all read now), the exported weights ----------------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
+    stop_if_preempted(dims.device)  # a signal during the imports or the rendezvous: every rank stops here
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
     if not isinstance(cfg.train.micro_batch, int):
@@ -238,6 +244,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                               load_universal=bool(plan and plan.universal))
         if not plan and not cfg.from_scratch:  # a resume restores its own master weights
             load_master_weights(engine, cfg.init)
+        stop_if_preempted(dims.device)
 
         # 3. Data: the task's training file, tokenized once, streamed by DP rank -----------------------------------
         stream = ExampleStream(tokenize(examples, tokenizer, max_input_length), cfg.train.micro_batch,
@@ -280,6 +287,7 @@ def finetune(cfg: FinetuneConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    watch_preemption()  # (again: the prelude above does it before the imports when run as `python -m`)
     cfg = parse_args(FinetuneConfig, argv, prog="pretrain.finetune")
     return run_with_exit_codes(lambda: finetune(cfg), "pretrain.finetune")
 

@@ -7,6 +7,8 @@ loop (`pretrain.runtime.loop.run_loop`). Exit codes are in pretrain.runtime.faul
 from __future__ import annotations
 
 if __name__ == "__main__":  # answer --help before the heavy imports below (torch, DeepSpeed, megatron: seconds)
+    from pretrain.runtime.preemption import watch_preemption
+    watch_preemption()  # and record a preemption signal from now on: the job exits 75 at its first agreed check
     from pretrain.core.cli import exit_on_help
     exit_on_help("Config", prog="pretrain.train")
 
@@ -26,7 +28,8 @@ from pretrain.core.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards
 from pretrain.runtime.engine import build_engine, load_master_weights
-from pretrain.runtime.faults import run_with_exit_codes
+from pretrain.runtime.faults import run_with_exit_codes, stop_if_preempted
+from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
@@ -54,6 +57,7 @@ class ValidationLoss:
         self.engine.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
         for batch in to_device(self.batches, self.dims.device):
+            stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
             out = self.engine(**batch)
             valid = batch["labels"] != -100
             correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
@@ -81,6 +85,7 @@ def train(cfg: Config) -> int:
     #    against the device's memory), with the model's vocabulary resolved from the tokenizer first ------------
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
+    stop_if_preempted(dims.device)  # a signal during the imports or the rendezvous: every rank stops here
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
     cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
     gpu_memory = torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
@@ -112,6 +117,7 @@ def train(cfg: Config) -> int:
                               load_universal=bool(plan and plan.universal))
         if cfg.init and not plan:
             load_master_weights(engine, cfg.init, cfg.init_resize_vocab)
+        stop_if_preempted(dims.device)
 
         # 5. Data: this DP rank's stream of span-corrupted micro batches; the validation slice, read now so a bad
         #    file fails before hours of training ------------------------------------------------------------------
@@ -162,6 +168,7 @@ def train(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    watch_preemption()  # (again: the prelude above does it before the imports when run as `python -m`)
     cfg = parse_args(Config, argv, prog="pretrain.train")
     return run_with_exit_codes(lambda: train(cfg), "pretrain.train")
 

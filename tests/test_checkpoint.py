@@ -196,14 +196,21 @@ def test_changed_model_is_refused_naming_every_difference(tmp_path):
     assert "model.encoder_attention: 'vanilla' in the checkpoint, 'random' now" in str(e.value)
 
 
-def test_a_metrics_file_cut_by_a_crash_does_not_block_the_resume(tmp_path):
-    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 4, "lo')
-    logger = MetricsLogger(tmp_path, enabled=True, start_step=2)
-    logger.write(3, {"loss": 0.5})
+def test_a_cut_or_garbled_metrics_line_is_named_and_does_not_block_the_resume(tmp_path, caplog):
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
+    lines[1] = lines[1][:12] + "\x00\x00\x00"  # a damaged line (blocks of zeros after a crash of the file system)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 5, "lo')  # the last one cut by a kill
+    with caplog.at_level("WARNING", logger="pretrain.runtime.metrics"):
+        logger = MetricsLogger(tmp_path, enabled=True, start_step=3)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and [w.split(" is no metrics record")[0] for w in warnings] == \
+        [f"{tmp_path / 'metrics.jsonl'} line 2 of 5", f"{tmp_path / 'metrics.jsonl'} line 5 of 5"], warnings
+    assert warnings[1].endswith("""dropped: '{"step": 5, "lo'""")
+    assert [logger.lacks(step) for step in (1, 2, 3)] == [False, True, False]  # the resume knows what it lost
+    logger.write(4, {"loss": 0.5})
     logger.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"step": 3, "loss": 0.5}]
+    assert records == [{"step": 1, "loss": 1.0}, {"step": 3, "loss": 1.0}, {"step": 4, "loss": 0.5}]
 
 
 _HOLD = """

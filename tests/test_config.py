@@ -43,6 +43,9 @@ def test_precedence_defaults_file_overrides():
         (["data.http_timeout_s=0"], "data.http_timeout_s (0.0) must be > 0"),
         (["data.http_retries=-1"], "data.http_retries (-1) must be >= 0"),
         (["log.every=0"], "log.every (0) must be >= 1"),
+        (["eval.every=5", "eval.batches=0"], "eval.batches (0) must be >= 1 when eval.every (5) is on; eval.every=0 "
+                                             "turns evaluation off"),
+        (["eval.every=-1"], "eval.every (-1) must be >= 0"),
         (["run.dir="], "run.dir is empty; name the run folder"),
         (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "
                       "...), not the int 3"),

@@ -358,26 +358,107 @@ def _training(run_dir: Path, launcher: subprocess.Popen) -> bool:
     return metrics.exists() and '"loss"' in metrics.read_text()
 
 
+def _last_step(run_dir: Path) -> int:
+    """The last step with a line in metrics.jsonl (0: none)."""
+    metrics = run_dir / "metrics.jsonl"
+    return max(map(int, re.findall(r'"step": (\d+)', metrics.read_text() if metrics.exists() else "")), default=0)
+
+
+def _started(run_dir: Path, launcher: subprocess.Popen, line: str) -> bool:
+    """The job printed `line` (a start-up line)."""
+    assert launcher.poll() is None, (run_dir.parent / "stderr").read_text()[-3000:]
+    return line in (run_dir.parent / "stderr").read_text()
+
+
 def _last_line(run_dir: Path) -> str:
     return [line for line in (run_dir.parent / "stderr").read_text().splitlines() if line.strip()][-1]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
-def test_a_signal_to_the_launched_job_saves_and_exits_preempted(shards, tmp_path, how):
-    # scancel / a scheduler signal the launcher; Ctrl-C in a terminal signals every process of the foreground group
-    run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, shards)
-    _wait_for(lambda: _training(run_dir, launcher), "the first step")
-    if how.startswith("SIGTERM"):
-        launcher.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(launcher.pid, signal.SIGINT)
-    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
-    step = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert (run_dir / "checkpoints" / step / "complete.json").is_file()
-    err = (tmp_path / "stderr").read_text()
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` installed (its SigCgt mask in /proc)."""
+    try:
+        mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+
+def _ranks_of(launcher: subprocess.Popen) -> list[int]:
+    return [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]
+
+
+def _preempted_everywhere(run_dir: Path, ranks: int = 2) -> str:
+    """The job's stderr, once checked: no traceback, and each rank's last line says it exits 75."""
+    err = (run_dir.parent / "stderr").read_text()
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
-    assert f"checkpoint saved, exiting {EXIT_PREEMPTED}" in _last_line(run_dir)
+    for rank in range(ranks):
+        last = [line for line in err.splitlines() if f"[rank {rank}]" in line][-1]
+        assert "preempted by " in last and last.endswith(f"exiting {EXIT_PREEMPTED}"), err[-3000:]
+    return err
+
+
+def test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit(shards, tmp_path):
+    # scancel / a scheduler signal the launcher (SIGTERM, or SIGUSR1 ahead of the time limit); Ctrl-C in a terminal
+    # signals every process of the foreground group; at any point of the job, each start of the same command
+    # exits 75 (a requeue wrapper requeues it) and the next one goes on
+    run_dir = tmp_path / "run"
+    # 1. before the launcher started the ranks (it imports torch, then the rendezvous): nothing to save
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: launcher.poll() is not None or _catches(launcher.pid, signal.SIGTERM), "the launcher's handler")
+    assert not _ranks_of(launcher)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
+    assert _last_line(run_dir) == f"launch.run: preempted by SIGTERM before the ranks started: nothing to save, " \
+                                  f"exiting {EXIT_PREEMPTED}"
+    assert not run_dir.exists()
+    # 2. while the ranks import torch, DeepSpeed and megatron (seconds): each has installed its handler first thing
+    launcher = _launch(run_dir, shards)
+
+    def importing() -> bool:
+        ranks = _ranks_of(launcher)
+        return launcher.poll() is not None or len(ranks) == 2 and all(_catches(pid, signal.SIGUSR1) for pid in ranks)
+
+    _wait_for(importing, "the ranks' handlers")
+    launcher.send_signal(signal.SIGUSR1)
+    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
+    assert "preempted by SIGUSR1 during start-up: nothing to save" in _preempted_everywhere(run_dir)
+    assert not (run_dir / "checkpoints").exists()
+    # 3. Ctrl-C once the engine is built (the data set-up follows): before the first step, or with it saved
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: _started(run_dir, launcher, "INFO pretrain.runtime.engine: engine:"), "the engine")
+    os.killpg(launcher.pid, signal.SIGINT)
+    assert launcher.wait(timeout=HANG_S) == EXIT_PREEMPTED, (tmp_path / "stderr").read_text()[-3000:]
+    _preempted_everywhere(run_dir)
+    # 4. the next start trains; SIGTERM after a step saves it; signals repeated from "exiting 75" until the launcher
+    #    has ended (an impatient scheduler, a second Ctrl-C) change nothing, also while Python finalizes
+    before = _last_step(run_dir)  # a line of step 1, if step 3's signal came after the last start-up check
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: _training(run_dir, launcher) and _last_step(run_dir) > before, "a step")
+    launcher.send_signal(signal.SIGTERM)
+    _wait_for(lambda: "exiting 75" in (tmp_path / "stderr").read_text() or launcher.poll() is not None, "exiting 75")
+    repeats = 0
+    while launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGINT) if repeats % 2 else launcher.send_signal(signal.SIGUSR1)
+        repeats += 1
+        time.sleep(0.1)
+    assert (launcher.returncode, repeats > 0) == (EXIT_PREEMPTED, True), (tmp_path / "stderr").read_text()[-3000:]
+    assert "checkpoint saved, exiting 75" in _preempted_everywhere(run_dir)
+    saved = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / saved / "complete.json").is_file()
+    # 5. the next start resumes from it; then the OOM killer or a node agent SIGKILLs the launcher, which forwards
+    #    nothing: the ranks must not train on as orphans holding the run lock; the kernel's parent-death signal
+    #    makes them save and stop
+    launcher = _launch(run_dir, shards)
+    _wait_for(lambda: _training(run_dir, launcher) and _last_step(run_dir) > int(saved[5:]), "a resumed step")
+    ranks = _ranks_of(launcher)  # torchrun's: sessions of their own
+    assert len(ranks) == 2
+    launcher.kill()
+    launcher.wait()
+    # zombies do not count: an orphan's new parent may be slow to reap it
+    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
+    assert _lock_free(run_dir)
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / step / "complete.json").is_file() and int(step[5:]) > int(saved[5:])
 
 
 def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
@@ -489,23 +570,6 @@ def _lock_free(run_dir: Path) -> bool:
         finally:
             os.close(fd)
     return True
-
-
-def test_ranks_stop_when_their_launcher_is_killed(shards, tmp_path):
-    # the OOM killer or a node agent SIGKILLs the launcher, which forwards nothing: the ranks must not train on as
-    # orphans holding the run lock; the kernel's parent-death signal makes them save and stop
-    run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, shards)
-    _wait_for(lambda: _training(run_dir, launcher), "the first step")
-    ranks = [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]  # torchrun's: sessions
-    assert len(ranks) == 2                                                                 # of their own
-    launcher.kill()
-    launcher.wait()
-    # zombies do not count: an orphan's new parent may be slow to reap it
-    _wait_for(lambda: all(_processes().get(pid, ("Z",))[0] == "Z" for pid in ranks), "the orphaned ranks to end")
-    assert _lock_free(run_dir)
-    step = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert (run_dir / "checkpoints" / step / "complete.json").is_file()
 
 
 def test_an_aborted_rank_leaves_no_loader_worker_and_frees_the_run_lock(shards, tmp_path):

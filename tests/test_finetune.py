@@ -148,51 +148,78 @@ def _python(*args, processes=1):
 
 
 def _finetune_chain(rank, world, runs):
-    """In one process, fine-tune every (overrides, fault) in turn; fault "sigterm" sends SIGTERM to this process
-    after the run's second step. Returns the exit codes."""
+    """In one process, fine-tune every (overrides, fault) in turn. Faults: ("sigterm", n) sends SIGTERM to this
+    process after the run's n-th step; "sigterm_eval" / "sigkill_eval" send SIGTERM / SIGKILL to it as the run's
+    first evaluation starts (before its first batch). Returns the exit codes and, per run, how many evaluations
+    (validation or test files) ran to their end after such a signal."""
     import signal
 
     from pretrain.runtime import loop
     from pretrain.core.config import load_config
     from pretrain.finetune import FinetuneConfig, finetune
+    from pretrain.transfer import evaluation
 
-    codes = []
+    codes, finished = [], []
     for overrides, fault in runs:
         original, count = loop.train_step, [0]
+        predict, signalled, ended = evaluation.predict, [False], [0]
 
         def train_step(*args, **kwargs):
             result = original(*args, **kwargs)
             count[0] += 1
-            if fault == "sigterm" and count[0] == 2:
+            if isinstance(fault, tuple) and fault == ("sigterm", count[0]):
                 os.kill(os.getpid(), signal.SIGTERM)
             return result
 
-        loop.train_step = train_step
+        def signalled_predict(*args, **kwargs):
+            if fault in ("sigterm_eval", "sigkill_eval") and not signalled[0]:
+                signalled[0] = True
+                os.kill(os.getpid(), signal.SIGTERM if fault == "sigterm_eval" else signal.SIGKILL)
+            out = predict(*args, **kwargs)
+            ended[0] += signalled[0]
+            return out
+
+        loop.train_step, evaluation.predict = train_step, signalled_predict
         try:
             codes.append(finetune(load_config(FinetuneConfig, "configs/finetune/polarity.yaml", overrides)))
         finally:
-            loop.train_step = original
-    return codes
+            loop.train_step, evaluation.predict = original, predict
+        finished.append(ended[0])
+    return codes, finished
 
 
-def test_preempted_finetuning_resumes_to_the_same_results(tmp_path, tokenizer_model, polarity_dir):
+def test_preempted_or_killed_finetuning_resumes_to_the_same_results(tmp_path, tokenizer_model, polarity_dir):
     torch.manual_seed(0)
     init = write_export(build_local_model(TINY.model), Path(tokenizer_model), tmp_path / "export")
     common = [f"init={init}", f"data.dir={polarity_dir}", "train.steps=6", "train.micro_batch=8",
-              "train.global_batch=8", "log.every=1", "eval.limit=40", "eval.batch=20", "checkpoint.every=0"]
+              "train.global_batch=8", "log.every=1", "eval.every=3", "eval.limit=40", "eval.batch=20",
+              "checkpoint.every=0"]
     whole, stopped = [*common, f"run.dir={tmp_path / 'whole'}"], [*common, f"run.dir={tmp_path / 'stopped'}"]
-    # the same command three times: train.exit_after ends the first start at step 2 (checkpoint), SIGTERM after
-    # step 4 the second at step 5 (checkpoint, exit 75: a requeue), and the third finishes
-    runs = [(whole, None), ([*stopped, "train.exit_after=2"], None), (stopped, "sigterm"), (stopped, None)]
-    assert run_distributed(_finetune_chain, 1, runs) == [[0, 0, EXIT_PREEMPTED, 0]]
+    # the same command again and again: train.exit_after ends the first start at step 2 (checkpoint); SIGTERM
+    # during the evaluation of step 3 ends the second (step 3 saved, exit 75: a requeue); the third evaluates step 3
+    # again (its metrics line was never written), and SIGTERM after its first step ends it at step 5; SIGKILL during
+    # the final evaluation ends the fourth (a scheduler out of patience: no exit code, no metrics line, no results);
+    # SIGTERM during that evaluation done again ends the fifth; the sixth evaluates step 6 and writes the results
+    runs = [(whole, None), ([*stopped, "train.exit_after=2"], None), (stopped, "sigterm_eval"),
+            (stopped, ("sigterm", 1))]
+    assert run_distributed(_finetune_chain, 1, runs) == [([0, 0, EXIT_PREEMPTED, EXIT_PREEMPTED], [0, 0, 0, 0])]
+    with pytest.raises(RuntimeError, match="died with exit code -9"):
+        run_distributed(_finetune_chain, 1, [(stopped, "sigkill_eval")])
+    assert not (tmp_path / "stopped" / "submission").exists()
+    # the evaluation stops before a batch (it never returned) and exits 75; the next start writes the results
+    assert run_distributed(_finetune_chain, 1, [(stopped, "sigterm_eval"), (stopped, None)]) == \
+        [([EXIT_PREEMPTED, 0], [0, 0])]
     checkpoints = tmp_path / "stopped" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_6"]  # keep 1
     results = [json.loads((tmp_path / run / "results.json").read_text()) for run in ("whole", "stopped")]
     assert results[0] == results[1] and "accuracy" in results[0]["sst2"]
+    submissions = [(tmp_path / run / "submission" / "SST-2.tsv").read_text() for run in ("whole", "stopped")]
+    assert submissions[0] == submissions[1]
     metrics = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
                for run in ("whole", "stopped")]
-    assert [r["step"] for r in metrics[1]] == list(range(1, 7))
-    assert [r["loss"] for r in metrics[1]] == [r["loss"] for r in metrics[0]]
+    assert [r["step"] for r in metrics[1]] == list(range(1, 7))  # the lines of steps 3 and 6 too
+    scores = lambda records: [(r["loss"], r.get("eval/sst2/accuracy")) for r in records]
+    assert scores(metrics[1]) == scores(metrics[0]) and scores(metrics[0])[2][1] is not None
 
 
 def test_a_synthesizer_export_finetunes_with_the_shipped_sst2_config(tmp_path, tokenizer_model, polarity_dir):

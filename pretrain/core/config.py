@@ -175,6 +175,12 @@ class EvalConfig:
     every: int = 0  # steps between evaluations (0: off)
     batches: int = 4  # global batches of the fixed validation slice (the same examples on every layout)
 
+    def __post_init__(self) -> None:
+        check_at_least("eval", self, {"every": 0, "batches": 0})
+        if self.every and not self.batches:  # an evaluation of no examples, every `every` steps
+            raise ConfigError(f"eval.batches (0) must be >= 1 when eval.every ({self.every}) is on; "
+                              "eval.every=0 turns evaluation off")
+
 
 @dataclass(frozen=True)
 class Config:

@@ -77,12 +77,16 @@ class Progress:
     step: int = 0  # optimizer updates applied (a skipped step is retried under the same number)
     tokens_seen: int = 0  # input + target tokens consumed over all DP ranks, skipped steps included
     skipped_steps: int = 0  # steps DeepSpeed did not apply (non-finite loss or gradients)
+    # the metrics record of `step` when it was a logged step: a resume writes its line again if a kill after the
+    # save lost it (the loop writes the line after the save and the evaluation)
+    record: dict[str, float] | None = None
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        self.record = state.get("record")  # absent from checkpoints written before it was kept
 
 
 @dataclass(frozen=True)
@@ -339,6 +343,10 @@ class CheckpointManager:
         self.cfg, self.root, self.dims = cfg, root, dims
         self.engine, self.progress, self.data, self.inputs = engine, progress, data, inputs
         self.config_yaml, self.universal_info = config_yaml, universal_info
+
+    def holds(self, step: int) -> bool:
+        """Whether this run's folder holds a checkpoint of `step` (a resume from another run's does not)."""
+        return (self.root / tag_for(step)).is_dir()
 
     def maybe_save(self, step: int, *, last: bool, preempted: bool) -> bool:
         """Save at the end of the run, on preemption, and every `checkpoint.every` steps."""

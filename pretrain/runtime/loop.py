@@ -3,9 +3,12 @@ in setup (data, model, evaluation); a step, a skipped step, a metrics line, a sa
 work the same in both, here.
 
 Each step: `train_step` (forward/backward of every micro batch, one optimizer step); then, in this order, the
-metrics record (`Meter`), the checkpoint (`CheckpointManager.maybe_save`), the evaluation (`Evaluator`), so a
-failing evaluation never loses the step's checkpoint; then the preemption signal (agreed by every rank) ends
-the run with EXIT_PREEMPTED after that checkpoint.
+metrics record (`Meter`, kept in the checkpoint's progress), the checkpoint (`CheckpointManager.maybe_save`), the
+evaluation (`Evaluator`), so a failing evaluation never loses the step's checkpoint, and the metrics line; then the
+preemption signal (agreed by every rank) ends the run with EXIT_PREEMPTED after that checkpoint. A signal during
+an evaluation ends it between two batches (the step saved if it was not); one before the first step ends the run
+with nothing to save. A resumed step whose metrics line is missing (a kill after its checkpoint committed: during
+its evaluation, say) gets it back first: the record from the checkpoint, the evaluation done again.
 
 A step counts only when DeepSpeed applied it (`engine.was_step_applied()`). A non-finite activation in any micro
 batch makes that micro batch's loss and the accumulated gradients non-finite; the optimizer then skips the whole
@@ -17,6 +20,7 @@ again with the next ones. No micro batch waits on the host: losses stay on the d
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,7 +33,8 @@ from megatron.core import parallel_state
 
 from pretrain.runtime.checkpoint import CheckpointManager, Progress
 from pretrain.core.config import TrainConfig
-from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, PreemptionFlag, check_skip_budget
+from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, Preempted, check_skip_budget, stop_if_preempted
+from pretrain.runtime.preemption import PreemptionFlag, stop_watching, watch_preemption
 from pretrain.runtime.pictures import synthesizer_images
 from pretrain.runtime.metrics import MetricsLogger, peak_memory_bytes
 from pretrain.model.sharding import is_tp_sharded
@@ -225,14 +230,54 @@ class Evaluator(Protocol):
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
+def _line_lost(step: int, metrics: MetricsLogger) -> bool:
+    """Whether metrics.jsonl lacks the line of `step`: rank 0, its writer, reads it; every rank learns the answer."""
+    lost = [metrics.lacks(step)]
+    dist.broadcast_object_list(lost, src=0)
+    return lost[0]
+
+
+def _exit_preempted(message: str) -> int:
+    log.warning("%s, exiting %d", message, EXIT_PREEMPTED)
+    stop_watching()  # the job is ending: a repeated signal changes nothing
+    return EXIT_PREEMPTED
+
+
 def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
              evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None) -> int:
     """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
-    EXIT_PREEMPTED after a checkpoint when one of `faults.PREEMPTION_SIGNALS` arrived on any rank. `pictures` (TensorBoard
-    images) are drawn at the evaluation steps and at the last step."""
+    EXIT_PREEMPTED when one of `faults.PREEMPTION_SIGNALS` arrived on any rank: after a checkpoint, or with nothing
+    to save before the first step. `pictures` (TensorBoard images) are drawn at the evaluation steps and at the last
+    step."""
     install_skip_guard(engine)
-    preemption = PreemptionFlag()
+    preemption = watch_preemption()
+
+    def finish(step: int, final: bool, last: bool, record: dict[str, float]) -> None:
+        """After the step's checkpoint: its evaluation when due, pictures, its metrics line (none if `Preempted`)."""
+        evaluate = evaluator is not None and evaluator.due(step, final)
+        if evaluate:
+            record.update(evaluator(step, final))
+        if pictures is not None and (evaluate or last):
+            metrics.write_images(step, pictures())
+        if record:
+            metrics.write(step, record, tokens_seen=progress.tokens_seen)
+
+    try:
+        stop_if_preempted(dims.device, "before the first step of this run: nothing to save")
+    except Preempted as e:
+        return _exit_preempted(str(e))
+    final = progress.step == train.steps
+    redo_eval = evaluator is not None and evaluator.due(progress.step, final)
+    if (progress.record is not None or redo_eval) and checkpoints.holds(progress.step) \
+            and _line_lost(progress.step, metrics):
+        log.warning("step %d: its metrics line is missing (the run ended after its checkpoint was saved): written "
+                    "again from the checkpoint%s", progress.step, ", evaluated again" if redo_eval else "")
+        try:
+            finish(progress.step, final, final, dict(progress.record or {}))
+        except Preempted as e:
+            return _exit_preempted(f"{e} of the resumed step {progress.step}: evaluated again on resume")
+        meter.start = time.perf_counter()  # the next line's step time leaves this evaluation out
     steps_this_run = 0
     while progress.step < train.steps:
         result = train_step(engine, batches, accumulation, dims, preemption)
@@ -248,19 +293,20 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         last = final or steps_this_run == train.exit_after
         preempted = result.preempted
         record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
+        progress.record = dict(record) if record else None  # saved with the step: a resume rewrites a lost line
+        saved = False
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
-            checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
-        evaluate = result.applied and evaluator is not None and evaluator.due(progress.step, final)
-        if evaluate:
-            record.update(evaluator(progress.step, final))
-        if pictures is not None and result.applied and (evaluate or last):
-            metrics.write_images(progress.step, pictures())
-        if record:
-            metrics.write(progress.step, record, tokens_seen=progress.tokens_seen)
+            saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+        if result.applied:
+            try:
+                finish(progress.step, final, last, record)
+            except Preempted as e:  # during the evaluation: keep the step, evaluate it again on resume
+                if not saved:
+                    checkpoints.save(progress.step)
+                return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
         if preempted:
-            log.warning("preempted by signal %s at step %d: checkpoint saved, exiting %d", preemption.received,
-                        progress.step, EXIT_PREEMPTED)
-            return EXIT_PREEMPTED
+            by = signal.Signals(preemption.received).name if preemption.raised else "a signal to another rank"
+            return _exit_preempted(f"preempted by {by} at step {progress.step}: checkpoint saved")
         if last:
             break
     log.info("stopped at step %d of %d", progress.step, train.steps)

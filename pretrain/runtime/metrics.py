@@ -48,16 +48,17 @@ _GPU_PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def _step_of(line: str) -> float:
-    """The step of a metrics.jsonl line; a line cut by a crash (the last one) counts as after any resume point."""
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line that is no record (cut by a kill, or damaged)."""
     try:
-        return json.loads(line)["step"]
+        return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
-        return float("inf")
+        return None
 
 
 class MetricsLogger:
-    """`write(step, scalars)` appends to metrics.jsonl and TensorBoard; resuming drops records after `start_step`.
+    """`write(step, scalars)` appends to metrics.jsonl and TensorBoard; resuming drops records after `start_step`,
+    and lines that are no record, each named in a warning (`lacks(step)` then says whether a step's line is there).
 
     `write_images(step, {tag: HWC uint8})` and `write_text(tag, text)` go to TensorBoard (and W&B). With
     `wandb=PROJECT` every call is mirrored to a W&B run named after the run folder (resumed, not duplicated,
@@ -68,6 +69,7 @@ class MetricsLogger:
                  config: dict | None = None) -> None:
         self.enabled = enabled
         self._wandb = None
+        self._steps: set[int] = set()  # the steps whose lines were kept
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter  # imported where used: rank 0 only
@@ -76,14 +78,31 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
-            # steps after the resumed checkpoint were computed by a run that died; they are redone now
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            self._keep_until(start_step)
         self._file = self.path.open("a")
         # purge_step hides the same stale steps from TensorBoard
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if wandb:
             self._wandb = _start_wandb(wandb, run_dir, config or {})
+
+    def _keep_until(self, start_step: int) -> None:
+        """Drop the lines of steps after the resumed checkpoint (computed by a run that died: they are redone now)
+        and, with a warning naming each, the lines that are no record."""
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for number, line in enumerate(lines, 1):
+            step = _step_of(line)
+            if step is None and line.strip():
+                log.warning("%s line %d of %d is no metrics record (cut by a kill, or damaged); dropped: %.80r",
+                            self.path, number, len(lines), line)
+            elif step is not None and step <= start_step:
+                kept.append(line)
+                self._steps.add(step)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def lacks(self, step: int) -> bool:
+        """Whether metrics.jsonl holds no line of `step` (on rank 0, the writer; False elsewhere)."""
+        return self.enabled and step not in self._steps
 
     def write(self, step: int, scalars: dict[str, float], tokens_seen: int | None = None) -> None:
         """One metrics line; with `tokens_seen`, the same scalars also under `by_tokens/` with tokens as the x axis."""
@@ -93,6 +112,7 @@ class MetricsLogger:
         with writing(self.path):  # a full disk is then one line naming the file (faults.run_with_exit_codes)
             self._file.write(json.dumps({"step": step, **scalars, **extra}) + "\n")
             self._file.flush()
+        self._steps.add(step)
         for key, value in scalars.items():
             self._tb.add_scalar(key, value, step)
             if tokens_seen is not None:

@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,9 +116,11 @@ def _rank(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> l
 
 
 def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence[Example], method: str,
-            batch_size: int, max_input_length: int, group: dist.ProcessGroup | None = None) -> dict[str, list]:
+            batch_size: int, max_input_length: int, group: dist.ProcessGroup | None = None,
+            between_batches: Callable[[], None] | None = None) -> dict[str, list]:
     """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1).
-    With `group`, its ranks (holding equally many examples) decode in lockstep."""
+    With `group`, its ranks (holding equally many examples) decode in lockstep. `between_batches` is called before
+    each batch (a job's preemption check: it may raise)."""
     if method not in METHODS:
         raise UsageError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
     was_training = model.training
@@ -129,6 +131,8 @@ def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence
     starts = range(0, len(examples), batch_size)
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
     for start in progress(starts, len(starts), f"{task.name} {method}: batches", enabled=first_rank):
+        if between_batches is not None:
+            between_batches()
         texts = [e.inputs for e in examples[start : start + batch_size]]
         batch = encode_inputs(tokenizer, texts, max_input_length).to(device)
         if "generate" in out:
@@ -175,9 +179,11 @@ def check_evaluation_files(task: Task, folder: str | Path, submission: bool) -> 
 
 
 def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str | Path, method: str = "both",
-                  batch_size: int = 32, max_input_length: int = 512, limit: int = 0, submission_dir: Path | None = None) -> dict[str, dict[str, float]]:
+                  batch_size: int = 32, max_input_length: int = 512, limit: int = 0, submission_dir: Path | None = None,
+                  between_batches: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Scores on every validation file of `task` ({split name: metrics}); test predictions go to
-    `submission_dir` when given (the first `limit` examples of each file when limit > 0)."""
+    `submission_dir` when given (the first `limit` examples of each file when limit > 0). `between_batches`: see
+    `predict` (every rank of a job runs as many batches)."""
     results = {}
     for split in task.splits:
         for file, labelled in ((split.validation, True), (split.test, False)):
@@ -187,7 +193,8 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
             examples = examples[:limit] if limit else examples
             mine, real, size = _dp_slice(examples)
             group = parallel_state.get_data_parallel_group() if size > 1 else None
-            mine_preds = predict(model, tokenizer, task, mine, method, batch_size, max_input_length, group)
+            mine_preds = predict(model, tokenizer, task, mine, method, batch_size, max_input_length, group,
+                                 between_batches)
             preds = _gather({m: p[:real] for m, p in mine_preds.items()}, size)
             if labelled:
                 scores = {}
