@@ -77,7 +77,8 @@ def test_global_batches_are_the_same_at_any_dp_size_micro_batch_and_workers(shar
     assert list(state["ranks"][0]["counts"].values()) == Schedule.of(3, weights).counts(0, 240).tolist()
     if num_sources == 3:
         assert max(p["epoch"] for p in state["ranks"][0]["positions"]["c"].values()) >= 1
-    for workers, (dp, micro) in [(1, (2, 4)), (2, (2, 1)), (3, (1, 2)), (0, (4, 2)), (1, (4, 1)), (2, (1, 5 + 3))]:
+    for workers, (dp, micro) in [(1, (2, 4)), (2, (2, 1)), (3, (1, 3)), (0, (4, 2)), (1, (4, 1)), (2, (2, 5)),
+                                 (3, (2, 6)), (2, (1, 8))]:
         got, _ = global_examples(cfg(workers), [(dp, micro, 30)])
         assert got == reference, (workers, dp, micro)
     # a requeue on 2, then 1, then 4 ranks continues with the next example
@@ -271,3 +272,15 @@ def test_the_planner_reads_the_mixture(capsys):
             "DP 2 must divide") in capsys.readouterr().out
     assert plan(["--config", TINY, "--nodes", "1", "--gpus-per-node", "2", mix.replace("0.3", "0.2")]) == 2
     assert capsys.readouterr().err.startswith("pretrain.plan: data.sources weights sum to 0.9 (c4 0.7, mine 0.2)")
+
+
+def test_a_data_state_of_before_mixtures_resumes(shards):
+    # version 2 (one source, written before mixtures): read as data.train's source `train`, and the run goes on with
+    # the next example
+    cfg = shards.config(workers=0)
+    reference, _ = global_examples(cfg, [(2, 4, 6)])
+    first, state = global_examples(cfg, [(2, 4, 2)])
+    old = {"ranks": [{"version": 2, "examples": r["examples"], "settings": r["settings"],
+                      "positions": r["positions"]["train"], "damaged": r["damaged"]["train"]} for r in state["ranks"]]}
+    second, _ = global_examples(cfg, [(1, 8, 4)], state=old)
+    assert first + second == reference
