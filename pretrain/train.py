@@ -44,10 +44,14 @@ log = logging.getLogger("pretrain.train")
 
 
 class ValidationLoss:
-    """Loss and token accuracy on the fixed validation slice (the same batches every time), every `every` steps."""
+    """Loss and token accuracy on fixed validation slices (the same batches every time), every `every` steps:
+    `eval_loss` on data.valid's, `eval_loss/NAME` on each source's `valid` ({"": data.valid's, NAME: ...}). Without
+    data.valid, when every source of a mixture has a `valid`, `eval_loss` is their mean at the mixture's `weights`:
+    the expected loss of an example of the mixture (every example has as many tokens)."""
 
-    def __init__(self, engine, batches: EvalLoader, every: int, dims: ParallelDims) -> None:
-        self.engine, self.batches, self.every, self.dims = engine, batches, every, dims
+    def __init__(self, engine, slices: dict[str, EvalLoader], every: int, dims: ParallelDims,
+                 weights: dict[str, float]) -> None:
+        self.engine, self.slices, self.every, self.dims, self.weights = engine, slices, every, dims, weights
 
     def due(self, step: int, final: bool) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -55,18 +59,32 @@ class ValidationLoss:
     @torch.no_grad()
     def __call__(self, step: int, final: bool) -> dict[str, float]:
         self.engine.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
-        for batch in to_device(self.batches, self.dims.device):
-            stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
-            out = self.engine(**batch)
-            valid = batch["labels"] != -100
-            correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
-            sums += torch.stack([out.loss.double() * out.num_tokens, correct.double(), out.num_tokens.double()])
+        result = {}
+        for name, batches in self.slices.items():
+            sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
+            for batch in to_device(batches, self.dims.device):
+                stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
+                out = self.engine(**batch)
+                valid = batch["labels"] != -100
+                correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
+                sums += torch.stack([out.loss.double() * out.num_tokens, correct.double(), out.num_tokens.double()])
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            loss, accuracy = (sums[:2] / sums[2]).tolist()
+            result[f"eval_loss/{name}" if name else "eval_loss"] = loss
+            result[f"eval_accuracy/{name}" if name else "eval_accuracy"] = accuracy
         self.engine.train()
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        result = {"eval_loss": (sums[0] / sums[2]).item(), "eval_accuracy": (sums[1] / sums[2]).item()}
-        log.info("step %d  eval_loss %.4f  eval_accuracy %.4f", step, result["eval_loss"], result["eval_accuracy"])
+        if "" not in self.slices and self.weights and self.weights.keys() <= self.slices.keys():
+            for key in ("eval_loss", "eval_accuracy"):
+                result[key] = sum(w * result[f"{key}/{name}"] for name, w in self.weights.items())
+        log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
+
+
+def sum_over_dp(values: list[float], device: torch.device) -> list[float]:
+    """`values` added up over the DP ranks (the loader's per-source epochs: each rank knows its own streams)."""
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total.tolist()
 
 
 def start_from_init(model: torch.nn.Module, cfg: Config, dims: ParallelDims, run_dir: Path) -> None:
@@ -101,7 +119,8 @@ def train(cfg: Config) -> int:
         # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
         #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs --------
         root = run_dir / "checkpoints"
-        inputs = RunInputs.of(cfg.data.tokenizer, expand_shards(cfg.data.train))  # the shards as the stream reads them
+        # the shards as the stream reads them (a mixture's, data.sources, are the loader's to record and check)
+        inputs = RunInputs.of(cfg.data.tokenizer, expand_shards(cfg.data.train) if cfg.data.train else ())
         resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
         plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s, precision=cfg.precision,
                               zero_stage=cfg.zero.stage) if resume else None
@@ -123,11 +142,12 @@ def train(cfg: Config) -> int:
         #    file fails before hours of training ------------------------------------------------------------------
         loader = build_train_loader(cfg.data, seed=cfg.run.seed, dp_rank=dims.dp_rank, dp_size=dims.dp,
                                     micro_batch=cfg.train.micro_batch)
-        validation = None
-        if cfg.eval.every and cfg.data.valid:
-            validation = build_eval_loader(cfg.data, dp_rank=dims.dp_rank, dp_size=dims.dp,
-                                           micro_batch=cfg.train.micro_batch,
-                                           num_examples=cfg.eval.batches * cfg.train.global_batch)
+        # {"": data.valid's slice, NAME: the slice of that source's valid}
+        names = ([""] if cfg.data.valid else []) + [s.name for s in cfg.data.sources if s.valid]
+        validation = {name: build_eval_loader(cfg.data, dp_rank=dims.dp_rank, dp_size=dims.dp,
+                                              micro_batch=cfg.train.micro_batch, source=name,
+                                              num_examples=cfg.eval.batches * cfg.train.global_batch)
+                      for name in (names if cfg.eval.every else [])}
 
         # 6. Checkpoints (engine, progress, data position, RNG) and restore ---------------------------------------
         progress = Progress()
@@ -148,8 +168,10 @@ def train(cfg: Config) -> int:
             flops_per_step=cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
                                                                        layout.target_length),
             job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
-            extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
-        evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims) if validation else None
+            extra=lambda: {**mixture_metrics(engine.module, cfg.zero.stage),
+                           **loader.metrics(lambda values: sum_over_dp(values, dims.device))})
+        evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims,
+                                   weights={s.name: s.weight for s in cfg.data.sources}) if validation else None
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
                                 config=yaml.safe_load(to_yaml(cfg)))
         metrics.write_text("config", to_yaml(cfg), step=progress.step)

@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -21,14 +22,19 @@ except SystemExit as e:
 
 
 def leaf_defaults(schema, prefix=""):
-    """{dotted key: default} straight from the dataclasses (the reference the help text is read against)."""
+    """{dotted key: default} straight from the dataclasses (the reference the help text is read against); a list of
+    dataclasses (data.sources) also lists its entries' keys (data.sources[i].name)."""
     out = {}
+    hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             out.update(leaf_defaults(type(default), f"{prefix}{f.name}."))
         else:
             out[prefix + f.name] = default
+            item = (typing.get_args(hints[f.name]) or [None])[0]
+            if typing.get_origin(hints[f.name]) is list and dataclasses.is_dataclass(item):
+                out.update(leaf_defaults(item, f"{prefix}{f.name}[i]."))
     return out
 
 

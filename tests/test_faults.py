@@ -146,7 +146,8 @@ DAMAGE_REFUSED = (r"pretrain\.train: error: damaged shards lost 2\d\.\d% of data
 def _cut_for_rank(shards, folder: Path, rank: int) -> Path:
     """The fixture's shards with the epoch-0 shards of two of DP rank `rank`'s streams (of 2 DP ranks) cut: that
     rank alone finds 25% of the documents lost, more than data.max_damaged_share's 0.2, at its first batch."""
-    spec = build_train_loader(shards.config(), seed=1234, dp_rank=0, dp_size=1, micro_batch=4).spec  # tiny's seed
+    loader = build_train_loader(shards.config(), seed=1234, dp_rank=0, dp_size=1, micro_batch=4)  # tiny's seed
+    spec = loader.sources.specs[0]
     return cut_shards(shards, folder, [int(Path(epoch_shards(spec, 0, s)[0]).stem[6:]) for s in (rank, rank + 2)])
 
 

@@ -74,7 +74,7 @@ def test_every_document_once_per_epoch_disjoint_across_streams(shards):
     cfg = shards.config(workers=2, shuffle_buffer=1, streams=4)
     reference = [doc + (1,) for p in sorted(Path(shards.train).glob("*.tar"))
                  for doc in tar_documents(p)]
-    spec = build_train_loader(cfg, seed=5, dp_rank=0, dp_size=1, micro_batch=4).spec
+    spec = build_train_loader(cfg, seed=5, dp_rank=0, dp_size=1, micro_batch=4).sources.specs[0]
     seen_by_stream = []
     for stream in range(4):
         tokens = []
@@ -246,7 +246,7 @@ def test_resume_is_exact_with_workers_and_across_epochs(shards, small_packs, sto
     make = functools.partial(build_train_loader, cfg, seed=11, dp_rank=0, dp_size=1, micro_batch=256)
     whole = make()
     full = list(itertools.islice(whole, 80))
-    assert max(p["epoch"] for p in whole.state_dict()["positions"].values()) == 1
+    assert max(p["epoch"] for p in whole.state_dict()["positions"]["train"].values()) == 1
     first = make()
     list(itertools.islice(first, stop))
     state = json.loads(json.dumps(first.state_dict()))  # plain data
@@ -328,7 +328,7 @@ def test_a_few_empty_documents_are_skipped_and_counted(shards, tmp_path, caplog)
     make = functools.partial(build_train_loader, cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=2)
     with caplog.at_level(logging.WARNING):
         stream = [uncorrupt(i, t) for i, t, after in itertools.takewhile(
-            lambda x: x[2]["epoch"] == 0, examples(make().spec, 0, start_position(), {}))]
+            lambda x: x[2]["epoch"] == 0, examples(make().sources.specs[0], 0, start_position(), {}))]
     assert "skipped 30 empty documents (no tokens) of shard" in caplog.text
     assert stream and not any(a == b == eos for chunk in stream for a, b in zip(chunk, chunk[1:]))  # no EOS, EOS
     assert sum(chunk.count(eos) for chunk in stream) <= 270  # at most one EOS per non-empty document
@@ -372,14 +372,14 @@ def test_damaged_shards_are_skipped_with_a_warning(shards, small_packs, tmp_path
     with caplog.at_level(logging.WARNING):
         got = list(itertools.islice(loader, 40))  # well past one epoch of the three shards
     assert len(got) == 40
-    assert sorted(loader.damaged.found) == [0, 1, 2]
+    assert sorted(loader.damaged[0].found) == [0, 1, 2]
     assert "damaged shards skipped: " in caplog.text  # logged by the main process
     damaged = {}  # one epoch in this process, where the per-shard warnings can be read
     with caplog.at_level(logging.WARNING):
-        for _, _, after in examples(loader.spec, 0, start_position(), damaged):
+        for _, _, after in examples(loader.sources.specs[0], 0, start_position(), damaged):
             if after["epoch"] == 1:
                 break
-    assert sorted(damaged) == [0, 1, 2] and damaged == loader.damaged.found  # documents read before the damage
+    assert sorted(damaged) == [0, 1, 2] and damaged == loader.damaged[0].found  # documents read before the damage
     assert "fails its crc32 check" in caplog.text
 
 
@@ -401,10 +401,10 @@ def test_damaged_shards_leave_one_global_order_on_every_layout(shards, tmp_path)
                             max_damaged_share=0.6)
     reference, state = global_examples(cfg(workers=0), [(1, 8, 12)])
     assert len(set(reference)) == len(reference) == 96
-    assert sorted(int(i) for r in state["ranks"] for i in r["damaged"]) == [1, 3, 5, 7]
+    assert sorted(int(i) for r in state["ranks"] for i in r["damaged"]["train"]) == [1, 3, 5, 7]
     # the four streams whose epoch-0 shard is cut went on with later epochs; 12 examples are far from the end of
     # any intact shard (~2,000 chunks)
-    assert sum(p["epoch"] > 0 for r in state["ranks"] for p in r["positions"].values()) == 4
+    assert sum(p["epoch"] > 0 for r in state["ranks"] for p in r["positions"]["train"].values()) == 4
     for workers, (dp, micro) in [(2, (1, 4)), (1, (2, 4)), (3, (4, 2)), (2, (8, 1))]:
         got, _ = global_examples(cfg(workers=workers), [(dp, micro, 12)])
         assert got == reference, (workers, dp, micro)

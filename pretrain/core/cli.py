@@ -31,8 +31,8 @@ class Key:
     meaning: str  # the field's trailing comment
 
 
-def _dataclass_fields(path: Path) -> dict[str, list[tuple[str, ast.expr | None, str]]]:
-    """{class name: [(field, default expression, comment)]} for every @dataclass class in the file."""
+def _dataclass_fields(path: Path) -> dict[str, list[tuple[str, ast.expr | None, str, ast.expr]]]:
+    """{class name: [(field, default expression, comment, annotation)]} for every @dataclass class in the file."""
     source = path.read_text()
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
@@ -40,7 +40,8 @@ def _dataclass_fields(path: Path) -> dict[str, list[tuple[str, ast.expr | None, 
     for node in ast.parse(source).body:
         decorators = [d.func if isinstance(d, ast.Call) else d for d in getattr(node, "decorator_list", [])]
         if isinstance(node, ast.ClassDef) and any(getattr(d, "id", "") == "dataclass" for d in decorators):
-            classes[node.name] = [(s.target.id, s.value, comments.get(s.end_lineno, "")) for s in node.body
+            classes[node.name] = [(s.target.id, s.value, comments.get(s.end_lineno, ""), s.annotation)
+                                  for s in node.body
                                   if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
     return classes
 
@@ -51,6 +52,13 @@ def _section(value: ast.expr | None) -> str | None:
         for kw in value.keywords:
             if kw.arg == "default_factory" and isinstance(kw.value, ast.Name):
                 return kw.value.id
+    return None
+
+
+def _list_item(annotation: ast.expr) -> str | None:
+    """The class name in a `list[Name]` annotation (a list of dataclasses: data.sources), else None."""
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", "") in ("list", "List"):
+        return getattr(annotation.slice, "id", None)
     return None
 
 
@@ -71,12 +79,14 @@ def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
 
     def walk(name: str, prefix: str) -> list[Key]:
         keys = []
-        for field_name, value, comment in classes[name]:
+        for field_name, value, comment, annotation in classes[name]:
             section = _section(value)
             if section in classes:
                 keys += walk(section, f"{prefix}{field_name}.")
             else:
                 keys.append(Key(prefix + field_name, _default(value), comment))
+                if _list_item(annotation) in classes:  # the keys of each entry: data.sources[i].name ...
+                    keys += walk(_list_item(annotation), f"{prefix}{field_name}[i].")
         return keys
 
     return walk(schema, "")

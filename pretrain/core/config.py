@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Sequence, TypeVar, Union
@@ -124,16 +127,43 @@ class TrainConfig:
                                   "nothing")
 
 
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source's name is a metric key's last part (tokens_seen/NAME)
+WEIGHT_SUM_TOLERANCE = 1e-6  # 0.1 + 0.2 is 0.30000000000000004: a sum this close to 1 is taken as 1
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One corpus of a mixture (`data.sources`); pretrain.data.sources puts the sources in one global order."""
+
+    name: str = ""  # the source's key in metrics (tokens_seen/NAME) and checkpoints: letters, digits, _ . -
+    train: str = ""  # its train shards, in any form data.train takes
+    weight: float = 0.0  # its share of the examples, > 0; the weights of data.sources sum to 1
+    valid: str = ""  # its validation shards (optional): eval_loss/NAME beside eval_loss
+
+    def __post_init__(self) -> None:
+        if not SOURCE_NAME.fullmatch(self.name):
+            raise ConfigError(f"data.sources: the name {self.name!r} (train {self.train!r}) must be letters, digits, "
+                              "_ . or - (it names the source's metrics, e.g. tokens_seen/c4)")
+        if not self.train.strip():
+            raise ConfigError(f"data.sources {self.name!r}: train is empty; give its shards (a directory, glob, "
+                              "brace pattern or URL)")
+        if not self.weight > 0:  # also NaN
+            raise ConfigError(f"data.sources {self.name!r}: weight ({self.weight}) must be > 0: its share of the "
+                              "examples (leave the source out to train without it)")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     train: str = ""  # shards: a directory, glob, brace pattern or webdataset URL
     valid: str = ""  # same forms; empty: no evaluation data
+    sources: list[SourceConfig] = field(default_factory=list)  # a mixture instead of train: [{name, train, weight}]
+    reweight: bool = False  # resume with another data.sources: unchanged sources keep their positions
     tokenizer: str = ""  # path to spiece.model
     input_length: int = 512  # encoder length after span corruption; targets length follows (568 -> 114)
     noise_density: float = 0.15  # fraction of input tokens masked by span corruption, in (0, 1)
     mean_noise_span_length: float = 3.0  # mean length of a masked span, at least 1
     workers: int = 1  # DataLoader worker processes per rank (at most one per data stream the rank owns)
-    streams: int = 0  # streams the train shards are dealt to (0: min(shards, 64)); every DP size must divide it
+    streams: int = 0  # streams the train shards are dealt to (0: min(shards of each source, 64)); DP must divide it
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
     max_damaged_share: float = 0.2  # the run stops once damaged shards lost more than this share of data.train
     http_timeout_s: float = 60.0  # http(s) shards: seconds per connection attempt and per read
@@ -151,6 +181,23 @@ class DataConfig:
             raise ConfigError(f"data.max_damaged_share ({self.max_damaged_share}) must be >= 0 and <= 1")
         if not self.http_timeout_s > 0:
             raise ConfigError(f"data.http_timeout_s ({self.http_timeout_s}) must be > 0")
+        if self.sources:
+            self._check_sources()
+
+    def _check_sources(self) -> None:
+        if self.train:
+            raise ConfigError("data.train and data.sources are both set: data.train is the one-source form of "
+                              "data.sources; set one of them (data.train= to use the mixture)")
+        names = [s.name for s in self.sources]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigError(f"data.sources names {', '.join(repr(n) for n in twice)} more than once: each source "
+                              "needs a name of its own (its metrics and checkpoint positions key on it)")
+        total = math.fsum(s.weight for s in self.sources)
+        if abs(total - 1) > WEIGHT_SUM_TOLERANCE:  # refused, not normalised: 0.7 + 0.2 is more likely a typo
+            given = ", ".join(f"{s.name} {s.weight:g}" for s in self.sources)
+            shares = ", ".join(f"{s.name} {s.weight / total:.4g}" for s in self.sources)
+            raise ConfigError(f"data.sources weights sum to {total:g} ({given}), not 1: each weight is its source's "
+                              f"share of the examples; to keep their ratio, set {shares}")
 
 
 @dataclass(frozen=True)
@@ -227,12 +274,56 @@ def _explain(err: OmegaConfBaseException, schema: type) -> str:
     return f"config error at '{key}': {str(err).splitlines()[0]}"
 
 
+def _list_items(schema: type) -> dict[str, type]:
+    """{field: item class} of the fields that hold a list of dataclasses (data.sources)."""
+    out = {}
+    for name, hint in typing.get_type_hints(schema).items():
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]):
+            out[name] = args[0]
+    return out
+
+
+def _check_list(value: object, item: type, key: str) -> None:
+    """A list of `item`s (data.sources) as given, named where it is not: OmegaConf's errors there name no key, or
+    are a TypeError."""
+    fields, hints = [f.name for f in dataclasses.fields(item)], typing.get_type_hints(item)
+    form = "{" + ", ".join(fields) + "}"
+    if not isinstance(value, list):
+        raise ConfigError(f"bad value for config key '{key}': a list [{form}, ...], not the {type(value).__name__} "
+                          f"{value!r} (on the command line the whole list: {key}=[{{name: a, ...}}, ...])")
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"bad value for config key '{key}[{i}]': a mapping {form}, not the "
+                              f"{type(entry).__name__} {entry!r}")
+        for k, v in entry.items():
+            if k not in fields:
+                close = difflib.get_close_matches(str(k), fields, n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; its keys are {', '.join(fields)}"
+                raise ConfigError(f"unknown config key '{key}[{i}].{k}'{hint}")
+            if hints[k] in (int, float) and not _is_number(v, hints[k]):
+                raise ConfigError(f"bad value for config key '{key}[{i}].{k}': {v!r} is not a{'n' * (hints[k] is int)} "
+                                  f"{hints[k].__name__}")
+
+
+def _is_number(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        return kind(value) == float(value)  # an int key takes 3 and "3", not 3.5
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_sections(layer: dict, schema: type, prefix: str = "") -> None:
     """A section given a value instead of its keys (`train: [1, 2]`) is named here: OmegaConf's merge error
-    names no key."""
+    names no key. So is a mistake inside a list of dataclasses (`_check_list`)."""
     sections = {f.name: f.default_factory for f in dataclasses.fields(schema)
                 if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+    lists = _list_items(schema)
     for name, value in layer.items():
+        if name in lists and value is not None:  # None: OmegaConf's "not Optional" names the key
+            _check_list(value, lists[name], prefix + name)
         if name not in sections:
             continue  # a plain key, or an unknown one (OmegaConf's error names it)
         if isinstance(value, dict):
@@ -279,9 +370,13 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
-    if overrides:
+    for item in overrides:
         # `key=` is the empty string, as in YAML `key: ''` (OmegaConf would read None, which no key accepts)
-        layers.append(OmegaConf.from_dotlist([item if item.partition("=")[2] else item + "''" for item in overrides]))
+        try:
+            layers.append(OmegaConf.from_dotlist([item if item.partition("=")[2] else item + "''"]))
+        except yaml.YAMLError as e:  # OmegaConf reads each value as YAML: `[{train: a/{0..3}.tar}]` is not
+            raise ConfigError(f"override '{item}' is not valid YAML ({str(e).splitlines()[0]}); inside [...] and "
+                              "{...} quote values that hold { } [ ] , or : (train: 'DIR/shard-{0..7}.tar')") from None
     try:
         for layer in layers:
             _check_sections(OmegaConf.to_container(layer), schema)

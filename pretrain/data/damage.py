@@ -1,5 +1,5 @@
-"""Damaged train shards: the record a run keeps of them, the share of data.train they lost, the warning that names
-them, and the refusal beyond `data.max_damaged_share`.
+"""Damaged train shards: the record a run keeps of them, the share of data.train (of each source of a mixture) they
+lost, the warning that names them, and the refusal beyond `data.max_damaged_share`.
 
 Damage is found lazily, by whichever stream reads a shard, on the rank and worker that own that stream, when it
 gets there. It never changes the data order: a stream passes over an epoch with nothing readable by a rule of its
@@ -56,14 +56,14 @@ class DamagedShards:
     def _check(self) -> None:
         share = self.lost_share()
         if share > self.max_share:
-            raise UsageError(f"damaged shards lost {share:.1%} of data.train, more than data.max_damaged_share "
+            raise UsageError(f"damaged shards lost {share:.1%} of {self.spec.label}, more than data.max_damaged_share "
                              f"({self.max_share:g}): {self._names(self.found)}; repair them or prepare them again, "
                              "or raise data.max_damaged_share to train on the rest")
 
     def _summary(self) -> str:
         unit = "documents" if self.spec.expected_docs else "shards"
-        return (f"{len(self.found)} of {len(self.spec.shards)} shards, {self.lost_share():.1%} of data.train's {unit} "
-                f"lost (data.max_damaged_share {self.max_share:g})")
+        return (f"{len(self.found)} of {len(self.spec.shards)} shards, {self.lost_share():.1%} of {self.spec.label}'s "
+                f"{unit} lost (data.max_damaged_share {self.max_share:g})")
 
     def _names(self, found: dict[int, int]) -> str:
         docs = self.spec.expected_docs

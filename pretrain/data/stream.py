@@ -15,6 +15,10 @@ its micro batches are its examples cut in order. DP size, micro batch and worker
 example, never which example it is; a checkpoint holds every stream's position, so a resume on any layout
 continues with the next example.
 
+With several sources (a corpus mixture, pretrain.data.sources), every source is dealt to the same S streams and
+the S lanes interleave them: lane s's next example is the next of stream s of the source the mixture's schedule
+draws for that global index. Each stream below is one source's.
+
 A stream's position is six integers, so a restart rebuilds the exact same examples:
 
     epoch   passes over this stream's shards; shard order is reshuffled from (seed, epoch)
@@ -27,7 +31,7 @@ A stream's position is six integers, so a restart rebuilds the exact same exampl
 Resuming re-reads one block (at most `shuffle_buffer` chunks; the head of one shard is read but its packs
 before the resume point are not decoded); the cost never grows with the data consumed. The hot path works
 on whole arrays: documents are joined with EOS a pack (~0.5M tokens) at a time, and a block is permuted and
-span-corrupted in one vectorised call; examples travel from the workers in arrays of `ROWS` per stream.
+span-corrupted in one vectorised call; examples travel from the workers in arrays of `ROWS` per lane.
 """
 from __future__ import annotations
 
@@ -37,7 +41,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.core.config import UsageError
 from pretrain.core.redact import redact
@@ -49,7 +52,6 @@ log = logging.getLogger(__name__)
 
 POSITION_KEYS = ("epoch", "shard", "doc", "offset", "block", "next")
 IGNORE_INDEX = -100  # labels on padding; the loss skips them
-ROWS = 8  # examples per stream in one item from a loader worker
 
 
 def start_position(epoch: int = 0) -> dict:
@@ -73,12 +75,27 @@ class StreamSpec:
     mean_noise_span_length: float
     expected_docs: tuple[int, ...] | None  # documents per shard from index.json: a short read is damage
     retry: Retry  # http(s) shards: timeout per attempt and retries (data.http_timeout_s, data.http_retries)
+    label: str = "data.train"  # the shards' key in messages (a source of a mixture: data.sources 'NAME')
+
+
+def _epoch_order(spec: StreamSpec, epoch: int, stream: int) -> np.ndarray:
+    order = np.random.default_rng([spec.seed, epoch]).permutation(len(spec.shards))
+    return order[stream :: spec.num_streams]
 
 
 def epoch_shards(spec: StreamSpec, epoch: int, stream: int) -> list[str]:
     """Stream `stream`'s shards in its epoch `epoch`: a seeded permutation of all shards, dealt to the streams."""
-    order = np.random.default_rng([spec.seed, epoch]).permutation(len(spec.shards))
-    return [spec.shards[i] for i in order[stream :: spec.num_streams]]
+    return [spec.shards[i] for i in _epoch_order(spec, epoch, stream)]
+
+
+def epoch_progress(spec: StreamSpec, stream: int, position: dict) -> float:
+    """Passes over its shards a stream has made at `position`: its epoch plus the share of that epoch's documents
+    (index.json; without one, of its shards) before the block being drained."""
+    order = _epoch_order(spec, position["epoch"], stream)
+    docs = [spec.expected_docs[i] for i in order] if spec.expected_docs else [1] * len(order)
+    shard = min(position["shard"], len(order))
+    done = sum(docs[:shard]) + (position["doc"] if spec.expected_docs and shard < len(order) else 0)
+    return position["epoch"] + done / max(1, sum(docs))
 
 
 def _read_checked(spec: StreamSpec, url: str, skip_docs: int,
@@ -212,11 +229,11 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, i
             names = ", ".join(redact(s) for s in spec.shards[:3]) + (", ..." if len(spec.shards) > 3 else "")
             raise UsageError(f"no readable data in any of the {len(spec.shards)} shards ({names}): damaged, empty, "
                              f"only empty documents, or less than one chunk of {spec.raw_length} tokens each; "
-                             "check data.train")
+                             f"check {spec.label}")
         if not produced:
             names = ", ".join(redact(s) for s in shards[:3]) + (", ..." if len(shards) > 3 else "")
-            log.info("data stream %d: nothing readable in its epoch %d (%s); it goes on with its epoch %d",
-                     stream, epoch, names, epoch + 1)
+            log.info("data stream %d of %s: nothing readable in its epoch %d (%s); it goes on with its epoch %d",
+                     stream, spec.label, epoch, names, epoch + 1)
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
 
@@ -245,35 +262,3 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, targe
     if not keep_targets.all():
         batch["decoder_attention_mask"] = torch.from_numpy(keep_targets.astype(np.int64))
     return batch
-
-
-def rows(spec: StreamSpec, streams: list[int], positions: dict[int, dict],
-         known: dict[int, int]) -> Iterator[tuple[list[tuple], dict[int, int]]]:
-    """One loader worker's output: items of `ROWS` examples from each of its `streams`, as ([(stream, inputs [ROWS,
-    input_length], targets [ROWS, target_length], position after each row)], the shards found damaged since the
-    last item {shard index: documents read}). Its streams share what is known damaged, from `known` on (the
-    loader's record). The loader deals the rows into the rank's order."""
-    damaged = dict(known)
-    reported = len(damaged)
-    its = {s: examples(spec, s, positions[s], damaged) for s in streams}
-    while True:
-        item = []
-        for s in streams:
-            got = [next(its[s]) for _ in range(ROWS)]
-            item.append((s, np.stack([g[0] for g in got]), np.stack([g[1] for g in got]), [g[2] for g in got]))
-        found = dict(list(damaged.items())[reported:])  # a shard is added once, never moved
-        reported = len(damaged)
-        yield item, found
-
-
-class WorkerRows(IterableDataset):
-    """The streams of one DP rank, dealt to the DataLoader workers: worker w of W runs streams[w::W]."""
-
-    def __init__(self, spec: StreamSpec, streams: list[int], positions: dict[int, dict], workers: int,
-                 known: dict[int, int]):
-        self.spec, self.streams, self.positions, self.workers, self.known = spec, streams, positions, workers, known
-
-    def __iter__(self) -> Iterator[tuple[list[tuple], dict[int, int]]]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        return rows(self.spec, self.streams[worker :: max(1, self.workers)], self.positions, self.known)

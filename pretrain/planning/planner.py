@@ -174,6 +174,15 @@ def _with(cfg: Config, section: str, **changes) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
+def _data_line(cfg: Config, layout: Layout) -> str:
+    """What the run reads, as far as the config says (the shards themselves are the loader's to open and check)."""
+    d = cfg.data
+    what = (f"{len(d.sources)} sources in one order: " + ", ".join(f"{s.name} {s.weight:g}" for s in d.sources)
+            if d.sources else f"data.train {d.train or '(not set)'}")
+    streams = d.streams or f"0 (min({'shards of each source' if d.sources else 'shards'}, 64))"
+    return f"data: {what}; data.streams {streams}, which DP {layout.dp} must divide"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
@@ -190,6 +199,7 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_p
         f"global batch {cfg.train.global_batch} = micro {layout.micro_batch} x accumulation {layout.accumulation} "
         f"x DP {layout.dp}; {layout.tokens_per_step:,} tokens/step ({layout.input_length} + {layout.target_length})",
         f"model: {est.num_params / 1e9:.3f} B parameters per GPU (TP shard), vocabulary rows {layout.vocab_rows}",
+        _data_line(cfg, layout),
         "memory per GPU (GiB):",
         f"  parameters           {g(est.params)}",
         f"  gradients            {g(est.grads)}",

@@ -49,6 +49,7 @@ from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
 from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_intact, complete_steps, damaged_parts,
                                     describe, fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic,
                                     write_marker)
+from pretrain.data.shards import describe_shards, shard_change
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
                                      writing)
@@ -150,7 +151,8 @@ def sha256_of(file: Path) -> str:
 class RunInputs:
     """What a run reads besides its config, recorded in every checkpoint (`inputs.json`): the tokenizer's sha256
     and the train shards in the order the stream reads them, by name and size (a moved shard folder is the same
-    data; a URL's size is unknown, so its name alone). Fine-tuning records the tokenizer only."""
+    data; a URL's size is unknown, so its name alone). Fine-tuning records the tokenizer only; so does a mixture
+    (data.sources), whose shard lists its data state records and checks (pretrain.data.loader)."""
 
     tokenizer: Path
     tokenizer_sha256: str
@@ -159,8 +161,7 @@ class RunInputs:
     @classmethod
     def of(cls, tokenizer: str | Path, shards: Sequence[str] = ()) -> RunInputs:
         """`shards` as `pretrain.data.shards.expand_shards` resolves `data.train`."""
-        return cls(Path(tokenizer), sha256_of(Path(tokenizer)),
-                   tuple((s.rsplit("/", 1)[-1], os.path.getsize(s) if os.path.isfile(s) else None) for s in shards))
+        return cls(Path(tokenizer), sha256_of(Path(tokenizer)), describe_shards(shards))
 
     def record(self) -> dict:
         return {"tokenizer_sha256": self.tokenizer_sha256, "train_shards": [list(s) for s in self.shards]}
@@ -177,28 +178,9 @@ class RunInputs:
                              f"{self.tokenizer_sha256[:12]}..., the run's has {saved['tokenizer_sha256'][:12]}...; "
                              f"a copy of it is {path / TOKENIZER}); use the run's tokenizer or start a new run.dir")
         then, now = [tuple(s) for s in saved["train_shards"]], list(self.shards)
-        if now and then != now:
-            raise UsageError(f"cannot resume from {path}: data.train changed ({_shard_change(then, now)}); the saved "
+        if then and now and then != now:  # a mixture's (data.sources) are its loader's to check
+            raise UsageError(f"cannot resume from {path}: data.train changed ({shard_change(then, now)}); the saved "
                              "data position would apply to other text: restore data.train or start a new run.dir")
-
-
-def _shard_change(then: list[tuple], now: list[tuple]) -> str:
-    """The difference of two shard lists in a few words: what went, what came, what changed size, else the order."""
-    sizes_then, sizes_now = dict(then), dict(now)
-
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    parts = [f"{len(then)} shards in the checkpoint, {len(now)} now"]
-    if gone := [n for n, _ in then if n not in sizes_now]:
-        parts.append(f"not listed now: {few(gone)}")
-    if new := [n for n, _ in now if n not in sizes_then]:
-        parts.append(f"new: {few(new)}")
-    if resized := [n for n, size in now if n in sizes_then and sizes_then[n] != size]:
-        parts.append(f"another size: {few(resized)}")
-    if len(parts) == 1:
-        parts.append("the same shards in another order")
-    return "; ".join(parts)
 
 
 def _bytes(path: Path) -> int:
