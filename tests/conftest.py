@@ -139,3 +139,17 @@ def transformers4_python(data_cache: Path) -> Path:
                         *TRANSFORMERS_4], check=True)
 
     return _build_once(data_cache / "test-fixtures" / f"transformers4-{key}", build) / "bin" / "python"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs two workers): the tests of a module that share a
+    module-scoped fixture run on one worker, so it is built once; every test of the SLURM cluster runs on one worker,
+    so one cluster starts (two would hand out the same job ids, and srun jobs derive their rendezvous port from the id);
+    every other test goes to whichever worker is free."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {name: d[-1].scope for name, d in (defs.name2fixturedefs.items() if defs else ()) if d}
+        if "slurm_cluster" in scopes:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif any(scope in ("module", "class") for scope in scopes.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
