@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: setup test demo bench study
+.PHONY: setup test demo bench study study-transfer
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ demo: setup
 
 study: setup
 	$(PY) -m pretrain.study --config configs/study/cpu.yaml
+
+study-transfer: setup
+	$(PY) -m pretrain.study --config configs/study/cpu_transfer.yaml
 
 bench: setup
 	$(PY) -m bench.model

@@ -33,6 +33,7 @@ def pretrain_config(cfg: StudyConfig, cell: Cell) -> Config:
 def plan_study(cfg: StudyConfig, world: int, memory: int, gpu_tflops: float, mfu: float) -> list[str]:
     """The report's lines; a UsageError names the first variant that does not fit and why."""
     lines, total = [], 0.0
+    width = max(24, *(len(v.label) for v in cfg.study.variants))
     for cell in cells(cfg)[:: len(cfg.study.seeds)]:  # variant-major: each variant's first seed
         variant, job = cell.variant, pretrain_config(cfg, cell)
         try:
@@ -44,7 +45,7 @@ def plan_study(cfg: StudyConfig, world: int, memory: int, gpu_tflops: float, mfu
                                                             layout.target_length)
         hours = flops * job.train.steps / (gpu_tflops * 1e12 * mfu) / 3600
         total += hours * len(cfg.study.seeds)
-        lines.append(f"{variant.label:24s} TP {layout.tp} x DP {layout.dp}, micro {layout.micro_batch} x accumulation "
+        lines.append(f"{variant.label:{width}s} TP {layout.tp} x DP {layout.dp}, micro {layout.micro_batch} x accumulation "
                      f"{layout.accumulation}: {est.total / GiB:5.1f} of {memory / GiB:.0f} GiB; {flops:.3e} FLOPs/step "
                      f"x {job.train.steps:,} steps = {hours:,.1f} GPU-hours per seed")
     lines.append(f"pretraining, {len(cfg.study.variants) * len(cfg.study.seeds)} cells ({len(cfg.study.variants)} variants x {len(cfg.study.seeds)} seeds): "

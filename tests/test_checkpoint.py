@@ -196,6 +196,23 @@ def test_changed_model_is_refused_naming_every_difference(tmp_path):
     assert "model.encoder_attention: 'vanilla' in the checkpoint, 'random' now" in str(e.value)
 
 
+def test_a_checkpoint_older_than_a_model_key_resumes_under_the_keys_old_behaviour(tmp_path):
+    # position_bias and synthesizer_init came later: a checkpoint without them was trained with the bias everywhere
+    # and T5's synthesizer initialisation, and resumes under those values only
+    saved = {k: v for k, v in dataclasses.asdict(ModelConfig()).items()
+             if k not in ("position_bias", "synthesizer_init")}
+    check_same_model(saved, dataclasses.replace(ModelConfig(), position_bias="all", synthesizer_init="t5"), tmp_path)
+    with pytest.raises(UsageError) as e:
+        check_same_model(saved, dataclasses.replace(ModelConfig(), position_bias="none", synthesizer_init="mesh_tf"),
+                         tmp_path)
+    assert ("model.position_bias: 'all' (the checkpoint predates the key) in the checkpoint, 'none' now; "
+            "model.synthesizer_init: 't5' (the checkpoint predates the key) in the checkpoint, 'mesh_tf' now); "
+            "restore those values or start a new run.dir") in str(e.value)
+    with pytest.raises(UsageError, match="model.position_bias: 'vanilla' in the checkpoint, 'all' now"):
+        check_same_model({**saved, "position_bias": "vanilla", "synthesizer_init": "t5"},
+                         dataclasses.replace(ModelConfig(), synthesizer_init="t5"), tmp_path)
+
+
 def test_a_cut_or_garbled_metrics_line_is_named_and_does_not_block_the_resume(tmp_path, caplog):
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
     lines[1] = lines[1][:12] + "\x00\x00\x00"  # a damaged line (blocks of zeros after a crash of the file system)

@@ -47,6 +47,8 @@ def test_precedence_defaults_file_overrides():
                                              "turns evaluation off"),
         (["eval.every=-1"], "eval.every (-1) must be >= 0"),
         (["run.dir="], "run.dir is empty; name the run folder"),
+        (["model.position_bias=everywhere"], "model.position_bias 'everywhere' must be one of all, vanilla, none"),
+        (["model.synthesizer_init=xavier"], "model.synthesizer_init 'xavier' must be one of mesh_tf, t5"),
         (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "
                       "...), not the int 3"),
     ],

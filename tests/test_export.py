@@ -346,6 +346,55 @@ def test_vanilla_export_is_plain_huggingface_t5(tmp_path, tokenizer_model):
         assert cls.from_pretrained(out)(text).input_ids == expected
 
 
+@pytest.mark.parametrize("position_bias", ["vanilla", "none"])
+def test_a_vanilla_export_is_hf_t5_only_with_t5s_position_bias(tmp_path, tokenizer_model, position_bias):
+    # position_bias vanilla: the same function as all for a vanilla model, so plain T5; none: T5 has no way to leave
+    # its bias out (a missing relative_attention_bias is drawn fresh by from_pretrained), so the remote code
+    cfg = dataclasses.replace(TINY.model, encoder_attention="vanilla", decoder_attention="vanilla",
+                              position_bias=position_bias)
+    torch.manual_seed(0)
+    ours = build_local_model(cfg).eval()
+    randomize_constant_parameters(ours)
+    out = write_export(ours, Path(tokenizer_model), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    if position_bias == "vanilla":
+        assert config["model_type"] == "t5" and "auto_map" not in config
+        hf = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    else:
+        assert config["model_type"] == "synthesizer_t5" and config["position_bias"] == "none"
+        with pytest.raises(ValueError, match="trust_remote_code=True"):
+            AutoModelForSeq2SeqLM.from_pretrained(out)
+        hf = AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True).eval()
+        assert not any("relative_attention_bias" in name for name, _ in hf.named_parameters())
+    card = (out / "README.md").read_text()  # the card's loading code is the one that works for it
+    assert ("trust_remote_code=True" in card) == (position_bias == "none")
+    assert f"(`position_bias: {position_bias}`) |" in card
+    _assert_same_as_ours(ours, hf)
+
+
+def test_an_export_older_than_a_model_key_loads_with_the_keys_old_behaviour(tmp_path, tokenizer_model):
+    from pretrain.core.config import MODEL_KEYS_ADDED
+    from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SYNTHESIZER_DEFAULTS
+    from pretrain.model.pretrained import export_config
+
+    # the remote code imports nothing of ours: its table of what a missing key means is checked against ours
+    assert {k: SYNTHESIZER_DEFAULTS[k] for k in MODEL_KEYS_ADDED} == MODEL_KEYS_ADDED == {
+        "position_bias": "all", "synthesizer_init": "t5"}
+    cfg = dataclasses.replace(TINY.model, **MODEL_KEYS_ADDED)  # the shipped random+vanilla, as exports were made
+    torch.manual_seed(0)
+    ours = build_local_model(cfg).eval()
+    randomize_constant_parameters(ours)
+    out = write_export(ours, Path(tokenizer_model), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    for key in MODEL_KEYS_ADDED:  # what an export written before the keys existed holds
+        del config[key], config["synthesizer"]["model"][key]
+    (out / "config.json").write_text(json.dumps(config))
+    assert export_config(out) == cfg
+    hf = AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert (hf.config.position_bias, hf.config.synthesizer_init) == ("all", "t5")
+    _assert_same_as_ours(ours, hf)
+
+
 def _in_a_canonical_order(spec: str) -> bool:
     """Whether the mixers of `spec` are in alphabetical or in MIXERS order (or the reverse of one)."""
     names = spec.split("+")
@@ -356,17 +405,22 @@ def _in_a_canonical_order(spec: str) -> bool:
 # Mixture weight i belongs to the i-th mixer as the spec lists them: a mixer-order bug (sorting, or a canonical
 # order, in the model, the export or the remote code) pairs weights and mixers differently and changes the
 # logits, but only for a spec out of that order. So beside the shipped model, every mixture of three below is
-# in no canonical order, in the encoder and the decoder, with weights per layer and per head.
-@pytest.mark.parametrize("encoder,decoder,per_head", [
-    ("random+vanilla", "random+vanilla", False),  # the shipped tiny model
-    ("dense", "factorized_random+fixed_random", True),  # no dot product anywhere; per-head mixture
-    ("factorized_dense+vanilla+dense", "dense+vanilla+random", True),
-    ("random+dense+factorized_random", "factorized_random+vanilla+fixed_random", False),
+# in no canonical order, in the encoder and the decoder, with weights per layer and per head. Each position_bias
+# appears with a mixture of vanilla (where "vanilla" weighs the bias with q k^T) and a stack without vanilla.
+@pytest.mark.parametrize("encoder,decoder,per_head,position_bias", [
+    ("random+vanilla", "random+vanilla", False, "all"),  # the shipped tiny model
+    ("dense", "factorized_random+fixed_random", True, "all"),  # no dot product anywhere; per-head mixture
+    ("factorized_dense+vanilla+dense", "dense+vanilla+random", True, "all"),
+    ("random+dense+factorized_random", "factorized_random+vanilla+fixed_random", False, "all"),
+    ("random+vanilla", "dense+vanilla+random", True, "vanilla"),
+    ("random", "vanilla+factorized_random", False, "vanilla"),
+    ("random+vanilla", "random", False, "none"),
 ])
 def test_synthesizer_export_loads_in_huggingface_with_remote_code_only(tmp_path, tokenizer_model, encoder, decoder,
-                                                                        per_head):
+                                                                        per_head, position_bias):
     assert all(not _in_a_canonical_order(spec) for spec in (encoder, decoder) if spec.count("+") == 2)
-    cfg = dataclasses.replace(TINY.model, encoder_attention=encoder, decoder_attention=decoder, mixture_per_head=per_head)
+    cfg = dataclasses.replace(TINY.model, encoder_attention=encoder, decoder_attention=decoder, mixture_per_head=per_head,
+                              position_bias=position_bias)
     torch.manual_seed(0)
     ours = build_local_model(cfg).eval()
     randomize_constant_parameters(ours)  # norms, mixture logits, synthesizer biases: distinct, not 1 or 0
@@ -374,6 +428,7 @@ def test_synthesizer_export_loads_in_huggingface_with_remote_code_only(tmp_path,
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "synthesizer_t5" and config["auto_map"]["AutoModelForSeq2SeqLM"]
     assert (config["encoder_attention"], config["decoder_attention"]) == (encoder, decoder)  # as written, in order
+    assert config["position_bias"] == position_bias and config["synthesizer_init"] == cfg.synthesizer_init
     for name in ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py"):
         source = (out / name).read_text()
         assert not any(line.startswith(("import pretrain", "from pretrain")) for line in source.splitlines())

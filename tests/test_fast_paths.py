@@ -49,10 +49,10 @@ def _assert_same(a, b, rtol: float = 1e-5, atol: float = 1e-8) -> None:
         torch.testing.assert_close(a[2][name], b[2][name], rtol=rtol, atol=atol, msg=name)
 
 
-def _model(spec: str, per_head: bool = False, dropout: float = 0.0, **build):
+def _model(spec: str, per_head: bool = False, dropout: float = 0.0, position_bias: str = "all", **build):
     init_single_process()
     cfg = dataclasses.replace(CFG, encoder_attention=spec, decoder_attention=spec, mixture_per_head=per_head,
-                              dropout=dropout)
+                              dropout=dropout, position_bias=position_bias)
     torch.manual_seed(0)
     model = build_model(cfg, **build)
     with torch.no_grad():  # non-trivial mixture weights
@@ -62,9 +62,12 @@ def _model(spec: str, per_head: bool = False, dropout: float = 0.0, **build):
     return model
 
 
-@pytest.mark.parametrize("spec, per_head", [("vanilla", False), ("random+vanilla", False),
-                                            ("dense+vanilla", True), ("factorized_random+vanilla", True)])
-def test_sdpa_equals_materialised_logits(spec, per_head, monkeypatch):
+@pytest.mark.parametrize("spec, per_head, position_bias", [
+    ("vanilla", False, "all"), ("random+vanilla", False, "all"), ("dense+vanilla", True, "all"),
+    ("factorized_random+vanilla", True, "all"),
+    ("random+vanilla", False, "vanilla"), ("dense+vanilla", True, "vanilla"),  # SDPA's mask: a_v B + a_i S_i + mask
+])
+def test_sdpa_equals_materialised_logits(spec, per_head, position_bias, monkeypatch):
     calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
@@ -72,25 +75,28 @@ def test_sdpa_equals_materialised_logits(spec, per_head, monkeypatch):
         # float64: the comparison checks the algebra, not fp32 summation order (a per-layer mixture weight's
         # gradient is a sum over heads that cancels to ~1e-3 of its terms)
         batch = _batch(padded)
-        fused = _run(_model(spec, per_head, sdpa=True).double(), *batch)
+        fused = _run(_model(spec, per_head, position_bias=position_bias, sdpa=True).double(), *batch)
         self_attention = [k for k in calls if k["attn_mask"] is not None and k["attn_mask"].requires_grad]
         assert len(self_attention) == CFG.num_layers + CFG.num_decoder_layers  # every self-attention took SDPA
         calls.clear()
-        plain = _run(_model(spec, per_head, sdpa=False).double(), *batch)
+        plain = _run(_model(spec, per_head, position_bias=position_bias, sdpa=False).double(), *batch)
         assert not [k for k in calls if k["attn_mask"] is not None and k["attn_mask"].requires_grad]
         assert "encoder.relative_bias.weight" in plain[2] and "decoder.relative_bias.weight" in plain[2]
         _assert_same(fused, plain)
         calls.clear()
     # fp32, as trained: loss and logits the same within fp32 rounding
-    fused, plain = (_run(_model(spec, per_head, sdpa=sdpa), *batch) for sdpa in (True, False))
+    fused, plain = (_run(_model(spec, per_head, position_bias=position_bias, sdpa=sdpa), *batch)
+                    for sdpa in (True, False))
     torch.testing.assert_close(fused[:2], plain[:2], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["vanilla", "random", "dense+vanilla"])
-def test_missing_mask_means_unpadded(spec):
+@pytest.mark.parametrize("spec, position_bias", [("vanilla", "all"), ("random", "all"), ("dense+vanilla", "all"),
+                                                 ("random", "none"), ("random+vanilla", "vanilla")])
+def test_missing_mask_means_unpadded(spec, position_bias):
+    # with position_bias none and no mask an encoder layer's core gets no additive tensor at all
     ids, mask, dec, labels, dec_mask = _batch(padded=False)
-    without = _run(_model(spec).double(), ids, None, dec, labels, None)
-    ones = _run(_model(spec).double(), ids, mask, dec, labels, dec_mask)
+    without = _run(_model(spec, position_bias=position_bias).double(), ids, None, dec, labels, None)
+    ones = _run(_model(spec, position_bias=position_bias).double(), ids, mask, dec, labels, dec_mask)
     _assert_same(without, ones)
 
 

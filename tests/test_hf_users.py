@@ -25,16 +25,20 @@ from tokenizer.spm import Tokenizer
 
 TINY = load_config(Config, "configs/tiny.yaml")
 PROBE = Path(__file__).with_name("hf_probe.py")
-EXPORTS = {  # name (a folder, so a Python identifier for HF's remote-code modules): (encoder, decoder, per head)
-    "vanilla": ("vanilla", "vanilla", False),
-    "mixture": ("random+vanilla", "random+vanilla", False),  # the shipped tiny model
-    "no_dot_product": ("dense", "factorized_random+fixed_random", True),  # the cache holds values in the key slot
+EXPORTS = {  # name (a folder, so a Python identifier for HF's remote-code modules): (encoder, decoder, per head,
+    # position_bias)
+    "vanilla": ("vanilla", "vanilla", False, "all"),
+    "mixture": ("random+vanilla", "random+vanilla", False, "all"),  # the shipped tiny model
+    "no_dot_product": ("dense", "factorized_random+fixed_random", True, "all"),  # the cache holds values as keys
+    # transformers 4 folds the mask into the bias it hands the later layers; "vanilla" keeps them apart
+    "bias_on_vanilla": ("random+vanilla", "dense+vanilla", False, "vanilla"),
+    "no_bias": ("vanilla", "vanilla", False, "none"),  # not HF's T5: the remote code
 }
 
 
-def _export(folder: Path, tokenizer_model: str, encoder: str, decoder: str, per_head: bool):
+def _export(folder: Path, tokenizer_model: str, encoder: str, decoder: str, per_head: bool, position_bias: str):
     cfg = dataclasses.replace(TINY.model, encoder_attention=encoder, decoder_attention=decoder,
-                              mixture_per_head=per_head)
+                              mixture_per_head=per_head, position_bias=position_bias)
     torch.manual_seed(0)
     ours = build_local_model(cfg).eval()
     randomize_constant_parameters(ours)

@@ -195,3 +195,64 @@ def test_shared_parameters_start_equal_whatever_the_mixers():
     torch.manual_seed(0)  # the base seed is a draw of the caller's generator: two models in a row differ
     first, second = build_local_model(CFG), build_local_model(CFG)
     assert not torch.equal(first.embed.weight, second.embed.weight)
+
+
+def test_the_position_bias_ablation_pairs_with_vanilla():
+    # random(position_bias=none) of seed s starts with vanilla's shared parameters too: the bias is left out, nothing
+    # else is drawn differently; without a bias anywhere no stack has the parameter
+    vanilla = dict(_model().named_parameters())
+    ablation = dict(_model(encoder_attention="random", decoder_attention="random", position_bias="none").named_parameters())
+    assert not [n for n in ablation if "relative_bias" in n]
+    shared = vanilla.keys() & ablation.keys()
+    assert "encoder.layers.1.attn.o.weight" in shared and "decoder.layers.0.cross.q.weight" in shared
+    assert all(torch.equal(vanilla[n], ablation[n]) for n in shared)
+    # vanilla keeps its bias under "vanilla" (the same function as "all"); a stack of Random does not
+    mixed = dict(_model(encoder_attention="random", position_bias="vanilla").named_parameters())
+    assert "decoder.relative_bias.weight" in mixed and "encoder.relative_bias.weight" not in mixed
+
+
+# Initial logit std per mixer at T5 v1.1 small widths (d_model 512, 6 heads of 64, N = 512, k = 8), docs/model.md
+# "Initial scale": closed forms, where a variant has one, of the real modules' logits on unit-RMS inputs
+SMALL = ModelConfig(d_model=512, d_kv=64, num_heads=6, max_length=512, factorized_k=8)
+TRUNCATED = 0.8796  # std of a normal truncated at 2 standard deviations, in units of the untruncated one
+INITIAL_STD = {
+    "t5": {"vanilla": 1.0, "random": 1.0, "fixed_random": 1.0, "factorized_random": 1.0,
+           "dense": 0.5**0.5,  # relu of unit-variance W1 x: second moment 1/2, times d_kv weights of variance 1/d_kv
+           "factorized_dense": 0.5},  # two such factors, multiplied
+    "mesh_tf": {"vanilla": 1.0,
+                "random": (2 / (6 * 512 + 512 * 512)) ** 0.5,  # glorot of Mesh TF's R [N, heads, N]: 0.0027
+                "fixed_random": (2 / (6 * 512 + 512 * 512)) ** 0.5,
+                "factorized_random": 2 / (8**0.5 * (6 + 512)),  # sqrt(k) x glorot of R1, R2 [k, heads, N], squared
+                # relu(q), q of std 1/sqrt(d_kv) (T5's query), times W2 of Mesh TF's dense kernel: 0.078
+                "dense": TRUNCATED * (0.5 / 64) ** 0.5,
+                "factorized_dense": 0.0067},  # A and B share their hidden layer: measured, near 0.387 / d_kv = 0.006
+}
+
+
+@pytest.mark.parametrize("init", ["t5", "mesh_tf"])
+def test_initial_logit_std_per_mixer(init):
+    from bench.synthesizer_init import initial_logit_std
+
+    for mixer, expected in INITIAL_STD[init].items():
+        got = initial_logit_std(dataclasses.replace(SMALL, synthesizer_init=init), mixer)
+        assert got == pytest.approx(expected, rel=0.05 if mixer != "factorized_dense" else 0.15), (mixer, got)
+
+
+def test_the_remote_code_draws_synthesizers_as_ours():
+    # a model built from an export's config.json by HF (not loaded) starts from the same distributions as ours
+    from pretrain.model.hf_convert import hf_config
+    from pretrain.model.hf_synthesizer.modeling_synthesizer_t5 import SynthesizerT5ForConditionalGeneration
+    from pretrain.model.pretrained import self_attention_hf_name
+
+    spec = "random+dense+factorized_random+factorized_dense"
+    for init in ("t5", "mesh_tf"):
+        cfg = dataclasses.replace(SMALL, vocab_size=128, num_layers=1, num_decoder_layers=1, encoder_attention=spec,
+                                  decoder_attention="vanilla", synthesizer_init=init)
+        torch.manual_seed(0)
+        ours = {n: p for n, p in build_local_model(cfg).named_parameters() if ".synth." in n}
+        hf = dict(SynthesizerT5ForConditionalGeneration(hf_config(cfg)).named_parameters())
+        assert len(ours) == len([n for n in hf if n.startswith("encoder.") and ".synth." in n]) == 13
+        for name, p in ours.items():
+            other = hf[self_attention_hf_name(name)]
+            std, expected = float(other.detach().std()), float(p.detach().std())
+            assert other.shape == p.shape and std == pytest.approx(expected, rel=0.05, abs=1e-9), (init, name)

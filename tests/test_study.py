@@ -24,9 +24,11 @@ from tests.conftest import PreparedData
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
+# the mixture also carries a model setting of its own (variant.model): its label says so, its jobs get it
+MIXED, MIXED_SLUG = "dense+random/random(position_bias=none)", "dense-random-random-position_bias-none"
 VARIANTS = [{"encoder": "vanilla", "decoder": "vanilla"}, {"encoder": "vanila", "decoder": "vanilla", "name": "typo"},
-            {"encoder": "dense+random", "decoder": "random"}]
-CELLS = ["vanilla-s1", "vanilla-s2", "typo-s1", "typo-s2", "dense-random-random-s1", "dense-random-random-s2"]
+            {"encoder": "dense+random", "decoder": "random", "model": ["position_bias=none"]}]
+CELLS = ["vanilla-s1", "vanilla-s2", "typo-s1", "typo-s2", f"{MIXED_SLUG}-s1", f"{MIXED_SLUG}-s2"]
 
 
 def _study(config: Path, *extra: str, **popen) -> subprocess.Popen:
@@ -104,7 +106,7 @@ def test_killed_study_resumes_without_redoing_finished_cells(study: dict) -> Non
 
 def test_failing_cell_reported_while_others_finish(study: dict) -> None:
     rows = _rows(study["root"])
-    assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for v in ("vanilla", "typo", "dense+random/random")
+    assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for v in ("vanilla", "typo", MIXED)
                                                          for s in ("1", "2")]
     for row in rows:
         if row["variant"] == "typo":
@@ -123,7 +125,12 @@ def test_table_cells_equal_the_runs_own_files(study: dict) -> None:
     root = study["root"]
     rows = [r for r in _rows(root) if r["status"] == "ok"]
     for row in rows:
-        cell = root / "cells" / f"{'vanilla' if row['variant'] == 'vanilla' else 'dense-random-random'}-s{row['seed']}"
+        cell = root / "cells" / f"{'vanilla' if row['variant'] == 'vanilla' else MIXED_SLUG}-s{row['seed']}"
+        # the variant's own model setting reached its pretraining and its export (and so its from-scratch runs)
+        bias = "all" if row["variant"] == "vanilla" else "none"
+        assert row["settings"] == ("" if bias == "all" else "position_bias=none")
+        assert yaml.safe_load((cell / "pretrain" / "config.yaml").read_text())["model"]["position_bias"] == bias
+        assert json.loads((cell / "export" / "config.json").read_text())["synthesizer"]["model"]["position_bias"] == bias
         records = [json.loads(line) for line in (cell / "pretrain" / "metrics.jsonl").read_text().splitlines()]
         speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first window: warm-up
         assert float(row["tokens_per_s"]) == pytest.approx(sum(speeds) / len(speeds), rel=1e-12)
@@ -142,7 +149,7 @@ def test_table_cells_equal_the_runs_own_files(study: dict) -> None:
         assert int(row["parameters"]) == sum(t.numel() for t in load_file(str(cell / "export" / "model.safetensors")).values())
     # the markdown table: mean +- standard deviation over the two seeds
     md = (root / "results.md").read_text()
-    for variant in ("vanilla", "dense+random/random"):
+    for variant in ("vanilla", MIXED):
         losses = [float(r["eval_loss"]) for r in rows if r["variant"] == variant]
         line = next(line for line in md.splitlines() if line.startswith(f"| {variant} |"))
         assert f"{statistics.fmean(losses):.3f} ± {statistics.stdev(losses):.3f}" in line
@@ -150,25 +157,25 @@ def test_table_cells_equal_the_runs_own_files(study: dict) -> None:
     assert "| vanilla |" in md and "1.865" in md  # the paper's C4 log-perplexity beside vanilla
     # the paired difference to vanilla (seed s minus seed s) with the 95% interval of scipy's paired t-test
     loss = {(r["variant"], r["seed"]): float(r["eval_loss"]) for r in rows}
-    mixed, vanilla = ([loss[(v, s)] for s in ("1", "2")] for v in ("dense+random/random", "vanilla"))
+    mixed, vanilla = ([loss[(v, s)] for s in ("1", "2")] for v in (MIXED, "vanilla"))
     lo, hi = stats.ttest_rel(mixed, vanilla).confidence_interval(0.95)
     line = next(line for line in md[md.index("## Paired differences"):].splitlines()
-                if line.startswith("| dense+random/random |"))
+                if line.startswith(f"| {MIXED} |"))
     assert line.split(" | ")[2] == f"{statistics.fmean(mixed) - statistics.fmean(vanilla):.3f} [{lo:.3f}, {hi:.3f}]"
     # how far the mixture's learned weights moved: a number per finished cell, none for vanilla
     for row in rows:
         moved = [row[k] for k in ("moved/random", "moved/mixture")]
         assert all(float(m) > 0 for m in moved) if row["variant"] != "vanilla" else moved == ["", ""], row
-    assert "| Q3 learned weights | dense+random/random's Random matrices moved beyond noise |" in md
+    assert f"| Q3 learned weights | {MIXED}'s Random matrices moved beyond noise |" in md
 
 
 def test_figures_are_pngs_of_the_expected_count(study: dict) -> None:
     import matplotlib.image
 
     figures = sorted(p.name for p in (study["root"] / "figures").iterdir())
-    # vanilla has no mixture and no random matrices; dense+random/random has both; dense vs vanilla attention
+    # vanilla has no mixture and no random matrices; the mixture has both; dense vs vanilla attention
     assert figures == ["attention_dense_vs_vanilla.png", "differences.png", "downstream.png",
-                       "matrices_dense-random-random.png", "mixture_dense-random-random.png", "pretrain_loss.png"]
+                       f"matrices_{MIXED_SLUG}.png", f"mixture_{MIXED_SLUG}.png", "pretrain_loss.png"]
     for name in figures:
         path = study["root"] / "figures" / name
         assert path.read_bytes()[:8] == PNG
@@ -199,3 +206,9 @@ def test_bad_study_config_is_one_line(tmp_path: Path) -> None:
     proc = _study(config, "study.sedes=[1]")
     out = proc.communicate()[0]
     assert proc.returncode == 2 and "did you mean 'study.seeds'" in out
+    config.write_text(yaml.safe_dump({"study": {"variants": [{"encoder": "random", "decoder": "random",
+                                                              "model": ["positon_bias=none"]}]}}))
+    out = _study(config).communicate()[0]
+    assert out.strip().splitlines() == ["python -m pretrain.study: error: study.variants 'random(positon_bias=none)': "
+                                        "model setting 'positon_bias=none' is not KEY=VALUE of a model key (encoder and "
+                                        "decoder are the variant's own; e.g. position_bias=none)"]

@@ -25,9 +25,10 @@ TINY = ModelConfig(vocab_size=256, d_model=32, d_ff=64, d_kv=8, num_heads=4, num
                    max_length=16, relative_attention_num_buckets=8, relative_attention_max_distance=16)
 
 
-def _model(encoder: str, decoder: str, per_head: bool = False, seed: int = 0):
+def _model(encoder: str, decoder: str, per_head: bool = False, seed: int = 0, position_bias: str = "all"):
     torch.manual_seed(seed)
-    cfg = dataclasses.replace(TINY, encoder_attention=encoder, decoder_attention=decoder, mixture_per_head=per_head)
+    cfg = dataclasses.replace(TINY, encoder_attention=encoder, decoder_attention=decoder, mixture_per_head=per_head,
+                              position_bias=position_bias)
     return build_local_model(cfg).eval()
 
 
@@ -158,8 +159,9 @@ def _wandb_history(path: Path) -> list[dict]:
 
 
 def test_attention_maps_are_what_the_layer_applies() -> None:
-    for encoder in ("vanilla", "dense", "dense+vanilla"):
-        model = _model(encoder, "vanilla", seed=3)
+    for encoder, position_bias in (("vanilla", "all"), ("dense", "all"), ("dense+vanilla", "all"),
+                                   ("dense+vanilla", "vanilla"), ("dense", "none")):
+        model = _model(encoder, "vanilla", seed=3, position_bias=position_bias)
         ids = torch.tensor([[5, 17, 33, 8, 90, 41, 7, 1]])
         maps = attention_maps(model, ids)
         assert set(maps) == {*encoder.split("+"), "mixed"}
@@ -169,9 +171,10 @@ def test_attention_maps_are_what_the_layer_applies() -> None:
         # the layer's output recomputed from the mixed probabilities: probs @ V, output projection
         attn = model.encoder.layers[0].attn
         x = model.encoder.layers[0].attn_norm(model.embed(ids))
-        bias = model.encoder.relative_bias(8, 8)
+        placement = model.encoder.bias_placement  # after mixing, on Q K^T before mixing, or none
+        bias = model.encoder.relative_bias(8, 8) if placement else None
         with torch.no_grad():
-            expected = attn(x, bias, None)
+            expected = attn(x, bias, None) if placement != "vanilla" else attn(x, None, None, None, bias)
             v = (attn.qkv(x)[0].view(1, 8, 4, 3, 8)[:, :, :, 2] if "vanilla" in attn.mixers
                  else attn.v(x)[0].view(1, 8, 4, 8)).transpose(1, 2)  # [1, heads, n, d_kv]
             out = (maps["mixed"][None] @ v).transpose(1, 2).reshape(1, 8, -1)

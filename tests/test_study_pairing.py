@@ -15,11 +15,14 @@ from pretrain.experiments.grid import StudyConfig, cells, pretrain_args
 from tests.conftest import PreparedData
 
 SPECS = ["vanilla", "random", "random+vanilla", "dense+vanilla"]
+ABLATION = "random(position_bias=none)"  # a variant with a model setting of its own pairs like the others
 
 
 def _job_configs(shards: PreparedData, tmp_path) -> dict[tuple[str, int], Config]:
     (tmp_path / "study.yaml").write_text(yaml.safe_dump({
-        "study": {"dir": str(tmp_path), "seeds": [1, 2], "variants": [{"encoder": s, "decoder": s} for s in SPECS]},
+        "study": {"dir": str(tmp_path), "seeds": [1, 2], "variants": [
+            *({"encoder": s, "decoder": s} for s in SPECS),
+            {"encoder": "random", "decoder": "random", "model": ["position_bias=none"]}]},
         "data": {"fetch": False, "train": shards.train, "valid": shards.valid, "tokenizer": shards.tokenizer},
         "pretrain": {"config": "configs/tiny.yaml", "overrides": ["data.workers=0"]}}))
     study = load_config(StudyConfig, tmp_path / "study.yaml")
@@ -48,11 +51,13 @@ def _initial(cfg: Config) -> dict[str, torch.Tensor]:
 def test_cells_of_one_seed_share_data_order_and_initial_values(shards: PreparedData, tmp_path):
     configs = _job_configs(shards, tmp_path)
     for seed in (1, 2):
-        batches = {spec: _first_batches(configs[spec, seed]) for spec in ("vanilla", "random")}
-        for a, b in zip(batches["vanilla"], batches["random"]):
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        params = {spec: _initial(configs[spec, seed]) for spec in SPECS}
-        for spec in SPECS[1:]:
+        batches = {spec: _first_batches(configs[spec, seed]) for spec in ("vanilla", "random", ABLATION)}
+        for other in ("random", ABLATION):
+            for a, b in zip(batches["vanilla"], batches[other]):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert configs[ABLATION, seed].model.position_bias == "none" and configs["random", seed].model.position_bias == "all"
+        params = {spec: _initial(configs[spec, seed]) for spec in [*SPECS, ABLATION]}
+        for spec in [*SPECS[1:], ABLATION]:
             shared = params["vanilla"].keys() & params[spec].keys()
             assert "decoder.layers.1.ffn.wo.weight" in shared and "embed.weight" in shared
             assert all(torch.equal(params["vanilla"][k], params[spec][k]) for k in shared), spec

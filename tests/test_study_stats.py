@@ -8,8 +8,8 @@ import math
 import pytest
 from scipy import stats
 
-from pretrain.experiments.stats import (CONTRADICTS, SUPPORTS, UNKNOWN, Interval, above, below, paired, ratio, t_interval,
-                                  verdicts, within)
+from pretrain.experiments.stats import (CONTRADICTS, SUPPORTS, UNKNOWN, Interval, above, below, outside, paired, ratio,
+                                        t_interval, verdicts, within)
 
 T_975_2 = 4.302652729749462  # Student's t, 97.5 % quantile, 2 degrees of freedom (tables: 4.303)
 
@@ -76,6 +76,49 @@ def test_only_seeds_where_both_finished_pair() -> None:
 def test_verdict_rules(lo: float, hi: float, below_0: str, above_0: str, within_1: str) -> None:
     iv = Interval((lo + hi) / 2, lo, hi, 3)
     assert (below(iv, 0.0), above(iv, 0.0), within(iv, 1.0)) == (below_0, above_0, within_1)
+    assert outside(iv, 1.0) == {SUPPORTS: CONTRADICTS, CONTRADICTS: SUPPORTS, UNKNOWN: UNKNOWN}[within_1]
+
+
+def _no_bias_rows(differences: list[float], to_random: list[float]) -> list[dict]:
+    """The hand study plus random(position_bias=none) at vanilla's eval loss + `differences` (seeds 1-3); random's
+    own losses are then set to the ablation's + `to_random`."""
+    rows = hand_rows()
+    vanilla = {r["seed"]: r["eval_loss"] for r in rows if r["variant"] == "vanilla" and r["status"] == "ok"}
+    ablation = [{**_row("random(position_bias=none)", "random", s, eval_loss=vanilla[s] + d),
+                 "settings": "position_bias=none"} for s, d in zip((1, 2, 3), differences)]
+    for r in rows:
+        if r["variant"] == "random":
+            r["eval_loss"] = ablation[r["seed"] - 1]["eval_loss"] + to_random[r["seed"] - 1]
+    return rows + ablation
+
+
+@pytest.mark.parametrize("differences, to_random, explains, lowers, decided", [
+    # without the bias 0.50, 0.55, 0.60 above vanilla (5.0333): mean 0.55, half width 0.124 -> [0.426, 0.674],
+    # wholly outside +-0.302; random (with it) 0.3 lower each seed: below 0, a point interval
+    ([0.50, 0.55, 0.60], [-0.3, -0.3, -0.3], SUPPORTS, SUPPORTS, (True, True)),
+    # 0.00, 0.01, 0.02: [-0.015, 0.035] wholly inside the margin: Random is close without the bias as well; the bias
+    # changes Random by +0.01, -0.01, 0: [-0.025, 0.025] is a cannot tell, but no wider than +-0.05: decided
+    ([0.00, 0.01, 0.02], [0.01, -0.01, 0.0], CONTRADICTS, UNKNOWN, (True, True)),
+    # 0.1, 0.3, 0.5: [-0.097, 0.797] straddles the margin; random - ablation -0.1, 0.1, 0.0 -> [-0.248, 0.248]:
+    # both cannot tell, wider than +-0.05: not decided
+    ([0.1, 0.3, 0.5], [-0.1, 0.1, 0.0], UNKNOWN, UNKNOWN, (False, False)),
+])
+def test_the_position_bias_question(differences, to_random, explains, lowers, decided) -> None:
+    rows = _no_bias_rows(differences, to_random)
+    found = {v.claim: v for v in verdicts(rows) if v.question == "Q1 position bias"}
+    explain = found["the position bias explains Random's closeness to vanilla: without it (random(position_bias=none)) "
+                    "Random is not within 6% of vanilla"]
+    lower = found["the position bias lowers Random's eval loss"]
+    assert (explain.verdict, lower.verdict) == (explains, lowers)
+    assert explain.evidence.startswith("eval_loss(random(position_bias=none)) - eval_loss(vanilla) = ")
+    assert explain.evidence.endswith("(n=3); rule: outside ±0.302")
+    assert (explain.decided, lower.decided) == decided
+    # the default Random is the variant without settings, never the ablation, whatever the order of the rows
+    claims = {v.claim: v for v in verdicts(rows[::-1])}
+    assert claims["Random is close to vanilla (eval loss within 6% of vanilla's)"].evidence.startswith(
+        "eval_loss(random) - eval_loss(vanilla)")
+    # without the ablation in the grid, no such question
+    assert not [v for v in verdicts(hand_rows()) if v.question == "Q1 position bias"]
 
 
 def test_verdicts_of_the_hand_study() -> None:

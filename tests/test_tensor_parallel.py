@@ -17,21 +17,27 @@ from tests.test_parallel import assert_tp2_dp2_layout, layout_report
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
-# (encoder, decoder, mixture_per_head, activation_checkpointing): every mixer appears on both sides; true = full
+# (encoder, decoder, mixture_per_head, activation_checkpointing, position_bias): every mixer appears on both sides;
+# true = full; every position_bias with a mixture of vanilla (where "vanilla" weighs the bias with Q K^T) and a
+# stack without vanilla, and "none" with recompute (a core without bias or mask)
 VARIANTS = [
-    ("vanilla", "vanilla", False, False),
-    ("dense", "random", False, True),
-    ("random", "dense", False, "selective"),
-    ("fixed_random", "factorized_dense", False, False),
-    ("factorized_dense", "factorized_random", False, False),
-    ("factorized_random", "fixed_random", False, False),
-    ("random+vanilla", "dense+vanilla", False, False),
-    ("random+dense+vanilla", "random+dense", True, False),
+    ("vanilla", "vanilla", False, False, "all"),
+    ("dense", "random", False, True, "all"),
+    ("random", "dense", False, "selective", "all"),
+    ("fixed_random", "factorized_dense", False, False, "all"),
+    ("factorized_dense", "factorized_random", False, False, "all"),
+    ("factorized_random", "fixed_random", False, False, "all"),
+    ("random+vanilla", "dense+vanilla", False, False, "all"),
+    ("random+dense+vanilla", "random+dense", True, False, "all"),
+    ("random+vanilla", "dense", True, "selective", "vanilla"),
+    ("random", "vanilla", False, "selective", "none"),
+    ("vanilla", "random+vanilla", False, False, "none"),
 ]
 
 
-def _cfg(enc: str, dec: str, per_head: bool) -> ModelConfig:
-    return dataclasses.replace(CFG, encoder_attention=enc, decoder_attention=dec, mixture_per_head=per_head)
+def _cfg(enc: str, dec: str, per_head: bool, position_bias: str = "all") -> ModelConfig:
+    return dataclasses.replace(CFG, encoder_attention=enc, decoder_attention=dec, mixture_per_head=per_head,
+                               position_bias=position_bias)
 
 
 def _batch(seed: int):
@@ -60,9 +66,9 @@ def _tp_worker(rank: int, world: int, variants) -> tuple[dict | None, list]:
     dims = init_distributed(ParallelConfig(tensor=2, timeout_s=120), seed=0)
     layout = layout_report(dims, seed=0) if world == 4 else None
     results = []
-    for enc, dec, per_head, ckpt in variants:
+    for enc, dec, per_head, ckpt, position_bias in variants:
         torch.manual_seed(0)
-        model = build_model(_cfg(enc, dec, per_head), activation_checkpointing=ckpt)
+        model = build_model(_cfg(enc, dec, per_head, position_bias), activation_checkpointing=ckpt)
         loss, grads = _step(model, seed=dims.dp_rank)
         model.eval()
         ids, mask = _batch(dims.dp_rank)[:2]
@@ -72,9 +78,9 @@ def _tp_worker(rank: int, world: int, variants) -> tuple[dict | None, list]:
     return layout, results
 
 
-def _reference(enc: str, dec: str, per_head: bool, seed: int):
+def _reference(enc: str, dec: str, per_head: bool, position_bias: str, seed: int):
     torch.manual_seed(0)
-    model = build_local_model(_cfg(enc, dec, per_head))
+    model = build_local_model(_cfg(enc, dec, per_head, position_bias))
     loss, grads = _step(model, seed)
     model.eval()
     ids, mask = _batch(seed)[:2]
@@ -111,8 +117,8 @@ def _merge_like_deepspeed(shards: list[dict], info: dict, name: str) -> torch.Te
 
 def test_tp2_equals_tp1_for_every_mixer():
     out = [results for _, results in run_distributed(_tp_worker, 2, VARIANTS)]
-    for i, (enc, dec, per_head, _) in enumerate(VARIANTS):
-        ref = _reference(enc, dec, per_head, seed=0)
+    for i, (enc, dec, per_head, _, position_bias) in enumerate(VARIANTS):
+        ref = _reference(enc, dec, per_head, position_bias, seed=0)
         for rank in range(2):
             _assert_equal_to_reference(out[rank][i], ref)
         info = out[0][i][4]
@@ -123,9 +129,9 @@ def test_tp2_equals_tp1_for_every_mixer():
 
 
 def test_tp2_dp2_layout_and_equality_to_tp1_per_data_shard():
-    variant = ("random+vanilla", "dense+vanilla", False, False)
+    variant = ("random+vanilla", "dense+vanilla", False, False, "all")
     layouts, out = zip(*run_distributed(_tp_worker, 4, [variant]))
     assert_tp2_dp2_layout(list(layouts))
     for rank, dp_rank in zip(range(4), (0, 0, 1, 1)):  # ranks [0, 1] are DP rank 0, [2, 3] DP rank 1
-        _assert_equal_to_reference(out[rank][0], _reference(*variant[:3], seed=dp_rank))
+        _assert_equal_to_reference(out[rank][0], _reference(*variant[:3], variant[4], seed=dp_rank))
     assert out[0][0][0] != out[2][0][0]  # the DP ranks did see different data

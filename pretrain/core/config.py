@@ -94,6 +94,25 @@ class ModelConfig:
     dropout: float = 0.0  # dropout rate in [0, 1) (T5 v1.1 pretrains with 0)
     layer_norm_eps: float = 1e-6  # RMS norm epsilon
     initializer_factor: float = 1.0  # T5's init scale (1.0 in all released checkpoints)
+    position_bias: str = "all"  # T5's relative bias: all (after mixing), vanilla (on Q K^T, before mixing), none
+    synthesizer_init: str = "mesh_tf"  # how synthesizer parameters start: mesh_tf (near-uniform attention) or t5
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("position_bias", POSITION_BIAS), ("synthesizer_init", SYNTHESIZER_INIT)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model.{key} '{getattr(self, key)}' must be one of {', '.join(allowed)}")
+
+
+POSITION_BIAS = ("all", "vanilla", "none")  # docs/model.md, "Position bias"
+SYNTHESIZER_INIT = ("mesh_tf", "t5")  # docs/model.md, "Initial scale"
+# Model keys added after checkpoints and exports were first written, with the value a saved model config without the
+# key means: the behaviour before the key existed (pretrain/model/hf_synthesizer/ keeps the same table for exports)
+MODEL_KEYS_ADDED = {"position_bias": "all", "synthesizer_init": "t5"}
+
+
+def saved_model_config(saved: dict) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config.yaml or an export's config.json (`model` section), older ones too."""
+    return ModelConfig(**{**MODEL_KEYS_ADDED, **saved})
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,19 @@
 arguments, and each cell's row read back from the cell's own files (metrics.jsonl, results.json, the export)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from pretrain.core.config import ConfigError
+from pretrain.core.config import ConfigError, ModelConfig
 
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-TEXT_ONLY = ("variant", "encoder", "decoder", "status")
+TEXT_ONLY = ("variant", "encoder", "decoder", "settings", "status")
 
 
 FETCHED_TASKS = ("polarity", "pair")  # the task folders data.fetch makes (prepare_data)
@@ -29,11 +30,22 @@ SCRATCH = "scratch"  # row keys "scratch/TASK/METRIC": the task fine-tuned from 
 class Variant:
     encoder: str = "vanilla"  # model.encoder_attention: a mixer or a mixture "a+b"
     decoder: str = "vanilla"  # model.decoder_attention
-    name: str = ""  # label in tables and figures; default the encoder setting (encoder/decoder when they differ)
+    model: list[str] = field(default_factory=list)  # this variant's other model settings: [position_bias=none, ...]
+    name: str = ""  # label in tables and figures; default the encoder setting (encoder/decoder when they differ),
+    # then the model settings in brackets: random(position_bias=none)
+
+    def __hash__(self) -> int:  # the dataclass's own hashes the list and fails; cells are dict keys
+        return hash((self.encoder, self.decoder, tuple(self.model), self.name))
+
+    @property
+    def settings(self) -> str:
+        """The variant's own model settings as one text ("" for none): rows and verdicts tell variants apart by it."""
+        return ", ".join(self.model)
 
     @property
     def label(self) -> str:
-        return self.name or (self.encoder if self.encoder == self.decoder else f"{self.encoder}/{self.decoder}")
+        mixers = self.encoder if self.encoder == self.decoder else f"{self.encoder}/{self.decoder}"
+        return self.name or (f"{mixers}({self.settings})" if self.model else mixers)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,13 @@ def check_study(cfg: StudyConfig) -> None:
         raise ConfigError("study.variants and study.seeds must each list at least one entry")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"study.variants: two variants are labelled the same ({labels}); set their name")
+    keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("encoder_attention", "decoder_attention")]
+    for variant in cfg.study.variants:
+        for setting in variant.model:
+            key = setting.partition("=")[0]
+            if "=" not in setting or key not in keys:
+                raise ConfigError(f"study.variants '{variant.label}': model setting '{setting}' is not KEY=VALUE of a "
+                                  f"model key (encoder and decoder are the variant's own; e.g. position_bias=none)")
     if cfg.study.processes < 1 or cfg.study.concurrent < 1:
         raise ConfigError(f"study.processes ({cfg.study.processes}) and study.concurrent ({cfg.study.concurrent}) "
                           "must be >= 1")
@@ -109,8 +128,9 @@ class Cell:
 
 
 def slug(label: str) -> str:
-    """A file-name form of a variant label: 'random+vanilla' -> 'random-vanilla'."""
-    return re.sub(r"[^A-Za-z0-9_.]+", "-", label)
+    """A file-name form of a variant label: 'random+vanilla' -> 'random-vanilla', 'random(position_bias=none)' ->
+    'random-position_bias-none'."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", label).strip("-")
 
 
 def cells(cfg: StudyConfig) -> list[Cell]:
@@ -136,8 +156,8 @@ def pretrain_args(cfg: StudyConfig, cell: Cell) -> list[str]:
     data = data_paths(cfg)
     return ["--config", cfg.pretrain.config, *cfg.pretrain.overrides, f"run.dir={cell.dir / 'pretrain'}",
             f"run.seed={cell.seed}", f"model.encoder_attention={cell.variant.encoder}",
-            f"model.decoder_attention={cell.variant.decoder}", f"data.train={data['train']}",
-            f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}"]
+            f"model.decoder_attention={cell.variant.decoder}", *(f"model.{s}" for s in cell.variant.model),
+            f"data.train={data['train']}", f"data.valid={data['valid']}", f"data.tokenizer={data['tokenizer']}"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -180,9 +200,13 @@ def count_parameters(export: Path) -> int:
     return total
 
 
+def _identity(cell: Cell) -> dict:
+    v = cell.variant
+    return {"variant": v.label, "encoder": v.encoder, "decoder": v.decoder, "settings": v.settings, "seed": cell.seed}
+
+
 def cell_row(cfg: StudyConfig, cell: Cell) -> dict:
-    row = {"variant": cell.variant.label, "encoder": cell.variant.encoder, "decoder": cell.variant.decoder,
-           "seed": cell.seed, "status": "ok", "parameters": count_parameters(cell.dir / "export")}
+    row = {**_identity(cell), "status": "ok", "parameters": count_parameters(cell.dir / "export")}
     row.update(pretrain_figures(read_metrics(cell.dir / "pretrain")))
     for task in cfg.study.tasks:
         for folder, prefix in (("finetune", task.name), (SCRATCH, f"{SCRATCH}/{task.name}")):
@@ -202,6 +226,5 @@ def collect(cfg: StudyConfig) -> list[dict]:
         if (cell.dir / "failed.json").is_file():
             failed = json.loads((cell.dir / "failed.json").read_text())
             status = f"failed at {failed['stage']} (exit {failed['exit_code']}; {failed['log']})"
-        rows.append({"variant": cell.variant.label, "encoder": cell.variant.encoder, "decoder": cell.variant.decoder,
-                     "seed": cell.seed, "status": status})
+        rows.append({**_identity(cell), "status": status})
     return rows

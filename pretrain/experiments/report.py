@@ -16,8 +16,8 @@ from pretrain.experiments import figures
 from pretrain.runtime import pictures
 from pretrain.experiments.grid import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
 from pretrain.experiments.movement import movement
-from pretrain.experiments.stats import (CONFIDENCE, Interval, find_variant, paired, per_seed, ratio, t_interval, task_keys,
-                                  verdicts)
+from pretrain.experiments.stats import (CONFIDENCE, DECIDED_HALF_WIDTH, Interval, Verdict, find_variant, paired, per_seed,
+                                        ratio, t_interval, task_keys, verdicts)
 
 # Tay et al. 2021 (arXiv 2005.00743), T5-base-sized models pretrained on C4, as quoted by secondary summaries
 # (../shared/reference/synthesizer.md; not checked against the paper itself): masked-LM log-perplexity (lower
@@ -34,7 +34,8 @@ EXAMPLE = "the film is a charming and often affecting journey through a world of
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    first = ["variant", "encoder", "decoder", "seed", "status", "parameters", "tokens_per_s", "eval_loss", "eval_accuracy"]
+    first = ["variant", "encoder", "decoder", "settings", "seed", "status", "parameters", "tokens_per_s", "eval_loss",
+             "eval_accuracy"]
     rest = [k for row in rows for k in row if k not in first]
     return first + list(dict.fromkeys(rest))
 
@@ -183,7 +184,21 @@ def _difference_sections(rows: list[dict], baseline: dict | None) -> list[str]:
                   "contradicts / cannot tell at this size.", ""]
         lines += _table(["question", "claim", "verdict", "evidence"],
                         [[v.question, v.claim, f"**{v.verdict}**", v.evidence] for v in found])
+        lines += _decided([v for v in found if v.question.startswith("Q1")])
     return lines
+
+
+def _decided(q1: list[Verdict]) -> list[str]:
+    """Whether the pretraining questions have answers at the resolution asked of them (stats.Verdict.decided)."""
+    if not q1:
+        return []
+    rule = (f"supports or contradicts, or cannot tell with a {CONFIDENCE:.0%} interval no wider than "
+            f"±{DECIDED_HALF_WIDTH} nats")
+    open_ = [v.claim for v in q1 if not v.decided]
+    if not open_:
+        return ["", f"**Q1 decided**: every pretraining verdict is {rule}."]
+    return ["", f"**Q1 not decided**: {'; '.join(open_)}: cannot tell with an interval wider than "
+            f"±{DECIDED_HALF_WIDTH} nats (more seeds, or more steps, narrow it)."]
 
 
 def _moved_text(rows: list[dict], variant: str, key: str) -> str:

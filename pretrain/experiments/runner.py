@@ -34,7 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pretrain.experiments.grid import Cell, REPO, SCRATCH, StudyConfig, cell_row, cells, data_paths, pretrain_args
+from pretrain.experiments.grid import (FETCHED_TASKS, REPO, SCRATCH, Cell, StudyConfig, cell_row, cells, data_paths,
+                                      pretrain_args)
 
 
 
@@ -107,7 +108,8 @@ def _say(msg: str) -> None:
 
 
 def prepare_data(cfg: StudyConfig) -> None:
-    """make demo's data stages (same commands), each skipped when its output is there."""
+    """make demo's data stages (same commands), each skipped when its output is there; the task sets (polarity, the pair
+    probe) only when a task fine-tunes on them."""
     if not cfg.data.fetch:
         return
     paths = data_paths(cfg)
@@ -127,8 +129,9 @@ def prepare_data(cfg: StudyConfig) -> None:
                   paths["pair"], "--tokenizer", paths["tokenizer"], "--max-input-length", "64"],
          Path(paths["pair"]) / "test.tsv"),
     ]
+    fetched = {t.name for t in cfg.study.tasks if not t.data}  # a study without tasks fetches no task sets
     for name, cmd, done in stages:
-        if done.exists():
+        if done.exists() or (name in FETCHED_TASKS and name not in fetched):
             continue
         _say(f"data: {name}")
         if _run(cmd, root / "logs" / f"{name.replace(' ', '_')}.log") != 0:

@@ -10,7 +10,10 @@ A verdict rule compares an interval with a bound (documented in docs/study.md, "
 - `below(iv, b)`: supports when the whole interval is below b, contradicts when it is wholly above, else cannot tell;
 - `above(iv, b)`: the mirror image;
 - `within(iv, m)`: supports when the interval lies inside [-m, m], contradicts when it lies wholly outside
-  (entirely above m or below -m), else cannot tell.
+  (entirely above m or below -m), else cannot tell;
+- `outside(iv, m)`: the mirror image of `within`.
+A pretraining (Q1) verdict is decided when it is supports or contradicts, or cannot tell with an interval no wider
+than ±DECIDED_HALF_WIDTH nats (`decided`): then the question has an answer at the resolution asked of it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ MATCH_SCORE = 0.02
 # "Moved beyond noise": the learned Random matrices' relative Frobenius change from their initialisation above
 # 10 %, and the mixture weights' mean total-variation distance from uniform above 0.05.
 MOVED = {"random": 0.10, "mixture": 0.05}
+
+# A Q1 "cannot tell" counts as an answer (no effect larger than this) when its interval is no wider than ±0.05 nats:
+# about a third of the paper's Random gap (0.10) and three times its Random+Vanilla gap (0.016).
+DECIDED_HALF_WIDTH = 0.05
+# The ablation the position-bias question compares (a variant's own model settings, grid.Variant.settings)
+NO_BIAS = "position_bias=none"
 
 SUPPORTS, CONTRADICTS, UNKNOWN = "supports", "contradicts", "cannot tell"
 
@@ -116,20 +125,34 @@ def within(iv: Interval, margin: float) -> str:
     return CONTRADICTS if iv.lo > margin or iv.hi < -margin else UNKNOWN
 
 
+def outside(iv: Interval, margin: float) -> str:
+    return {SUPPORTS: CONTRADICTS, CONTRADICTS: SUPPORTS}.get(within(iv, margin), UNKNOWN)
+
+
 @dataclass(frozen=True)
 class Verdict:
     question: str  # "Q1 pretraining", ...
     claim: str  # the paper's claim as tested here
     verdict: str  # supports / contradicts / cannot tell
     evidence: str  # the interval and the rule it was held against
+    interval: Interval | None = None  # the interval behind the verdict
+
+    @property
+    def decided(self) -> bool:
+        """Supports or contradicts, or cannot tell with an interval no wider than ±DECIDED_HALF_WIDTH."""
+        iv = self.interval
+        narrow = iv is not None and iv.known and (iv.hi - iv.lo) / 2 <= DECIDED_HALF_WIDTH
+        return self.verdict != UNKNOWN or narrow
 
 
-def find_variant(rows: list[dict], mixers: str) -> str | None:
+def find_variant(rows: list[dict], mixers: str, settings: str = "") -> str | None:
     """The label of the variant whose encoder and decoder are both the mixture `mixers` ("random+vanilla"
-    matches "vanilla+random" too), or None when the grid has none."""
+    matches "vanilla+random" too) and whose own model settings are `settings` ("": the study's defaults), or None
+    when the grid has none."""
     want = set(mixers.split("+"))
     for r in rows:
-        if set(r["encoder"].split("+")) == want and set(r["decoder"].split("+")) == want:
+        if (set(r["encoder"].split("+")) == want and set(r["decoder"].split("+")) == want
+                and r.get("settings", "") == settings):
             return r["variant"]
     return None
 
@@ -150,9 +173,9 @@ def verdicts(rows: list[dict], baseline: dict | None = None) -> list[Verdict]:
     vanilla_loss = t_interval(list(per_seed(rows, base, "eval_loss").values()))
 
     def judge(question: str, claim: str, iv: Interval, rule: str, bound: float, what: str) -> None:
-        verdict = {"below": below, "above": above, "within": within}[rule](iv, bound)
-        bound_text = f"within ±{bound:.3g}" if rule == "within" else f"{rule} {bound:.3g}"
-        out.append(Verdict(question, claim, verdict, f"{what} = {iv.text()} (n={iv.n}); rule: {bound_text}"))
+        verdict = {"below": below, "above": above, "within": within, "outside": outside}[rule](iv, bound)
+        bound_text = f"{rule} ±{bound:.3g}" if rule in ("within", "outside") else f"{rule} {bound:.3g}"
+        out.append(Verdict(question, claim, verdict, f"{what} = {iv.text()} (n={iv.n}); rule: {bound_text}", iv))
 
     # Q0: did vanilla get past token frequencies (the unigram baseline)?
     if baseline and "unigram_loss" in baseline:
@@ -168,6 +191,17 @@ def verdicts(rows: list[dict], baseline: dict | None = None) -> list[Verdict]:
         if names[mix]:
             judge(q1, f"{names[mix]} beats vanilla (lower eval loss)", paired(rows, names[mix], base, "eval_loss"),
                   "below", 0.0, f"eval_loss({names[mix]}) - eval_loss(vanilla)")
+    # ... and is that closeness T5's relative bias, which reaches Random's layers under position_bias=all?
+    no_bias = find_variant(rows, "random", NO_BIAS)
+    if no_bias:
+        margin = CLOSE_LOSS * vanilla_loss.mean if vanilla_loss.n else math.nan
+        judge("Q1 position bias", f"the position bias explains Random's closeness to vanilla: without it ({no_bias}) "
+              f"Random is not within {CLOSE_LOSS:.0%} of vanilla", paired(rows, no_bias, base, "eval_loss"), "outside",
+              margin, f"eval_loss({no_bias}) - eval_loss(vanilla)")
+        if names["random"]:
+            judge("Q1 position bias", "the position bias lowers Random's eval loss",
+                  paired(rows, names["random"], no_bias, "eval_loss"), "below", 0.0,
+                  f"eval_loss({names['random']}) - eval_loss({no_bias})")
     # Q2 transfer, per task metric
     q2 = "Q2 transfer"
     keys = task_keys(rows)

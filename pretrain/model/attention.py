@@ -4,8 +4,9 @@ self-attention layer that mixes dot-product and Synthesizer logits, and dot-prod
 Every mixer yields per-head logits [b, heads/tp, n, m]; a mixture sums them weighted by
 softmax(learned weights) (one vector per layer, or per head); then the relative position bias and the
 additive masks are added, softmax, dropout, times the per-head values, and the row-parallel output
-projection (all-reduce over TP). Heads are split over TP: Q/K/V columns, synthesizer parameters, bias
-rows and per-head mixture weights live only on their rank.
+projection (all-reduce over TP). `model.position_bias` moves the bias (`bias_placement`): onto the
+dot-product logits alone, before mixing, or nowhere. Heads are split over TP: Q/K/V columns, synthesizer
+parameters, bias rows and per-head mixture weights live only on their rank.
 
 Two implementations of that core, equal within float rounding. SDPA: a layer with a `vanilla` mixer calls
 `F.scaled_dot_product_attention` with everything that is not Q K^T (relative bias, masks, weighted
@@ -48,6 +49,20 @@ def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise UsageError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
     return names
+
+
+def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
+    """Where a stack of `mixers` layers adds T5's relative bias under model.position_bias: "mixed" (to the mixed
+    logits), "vanilla" (to Q K^T alone, before mixing: a mixture with vanilla) or None (no bias, no parameter).
+    A layer of vanilla alone is the same function under all and vanilla, so it takes "mixed" under both."""
+    if position_bias == "all" or (position_bias == "vanilla" and mixers == ("vanilla",)):
+        return "mixed"
+    return "vanilla" if position_bias == "vanilla" and "vanilla" in mixers else None
+
+
+def add_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a + b where None means nothing to add (no bias, no mask)."""
+    return b if a is None else a if b is None else a + b
 
 
 def _normal(std: float):
@@ -106,11 +121,12 @@ class RowLinear(RowParallelLinear):
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)  # fwd: all-reduce over TP
 
 
-def _softmax(logits: torch.Tensor, additive: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _softmax(logits: torch.Tensor, additive: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """softmax(logits + additive) in at least fp32 (bf16 logits lose the small differences that decide the
     weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel."""
     wide = torch.promote_types(dtype, torch.float32)
-    return torch.softmax(logits.to(wide) + additive.to(wide), dim=-1).to(dtype)  # summed in fp32, not bf16
+    logits = logits.to(wide) if additive is None else logits.to(wide) + additive.to(wide)  # summed in fp32
+    return torch.softmax(logits, dim=-1).to(dtype)
 
 
 class SelfAttention(nn.Module):
@@ -161,9 +177,11 @@ class SelfAttention(nn.Module):
         return torch.softmax(self.mix, dim=-1)
 
     def forward(
-        self, x: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, cache: dict | None = None
+        self, x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None, cache: dict | None = None,
+        vanilla_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [b, n, d]; bias [1, heads/tp, n, m]; mask additive [b, 1, n|1, m] or None; cache: decoding."""
+        """x [b, n, d]; bias [1, heads/tp, n, m] (added after mixing) or None; mask additive [b, 1, n|1, m] or None;
+        cache: decoding; vanilla_bias [1, heads/tp, n, m]: added to Q K^T before mixing (position_bias: vanilla)."""
         b, n, _ = x.shape
         start = cache.get("len", 0) if cache is not None else 0
         if self.synth and start + n > self.max_length:
@@ -184,39 +202,46 @@ class SelfAttention(nn.Module):
             v = cache["v"] = torch.cat([cache["v"], v], dim=2) if "v" in cache else v
             cache["len"] = start + n
         m = v.shape[2]
-        additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, m]
+        additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
         p = self.dropout if self.training else 0.0
-        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not additive.requires_grad
+        grad = any(t is not None and t.requires_grad for t in (additive, vanilla_bias))
+        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not grad
         core = self._fused if sdpa else self._mixed
 
-        def run(x, q, k, v, additive):
+        def run(x, q, k, v, additive, vanilla_bias):
             with _fork_tp_rng(p > 0):
-                return core(x, q, k, v, additive, start, m, p)  # [b, heads/tp, n, d_kv]
+                return core(x, q, k, v, additive, vanilla_bias, start, m, p)  # [b, heads/tp, n, d_kv]
 
         if self.recompute and self.training:
             # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
-            out = tensor_parallel.checkpoint(run, False, x, q, k, v, additive)
+            out = tensor_parallel.checkpoint(run, False, x, q, k, v, additive, vanilla_bias)
         else:
-            out = run(x, q, k, v, additive)
+            out = run(x, q, k, v, additive, vanilla_bias)
         out = out.transpose(1, 2).reshape(b, n, -1)  # [b, n, heads/tp * d_kv]
         return self.o(out)  # fwd: all-reduce over TP
 
-    def _fused(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
-        # softmax(a_v Q K^T + sum_i a_i S_i + additive) V = SDPA(a_v Q, K, V, attn_mask = sum_i a_i S_i + additive)
+    def _fused(self, x, q, k, v, additive, vanilla_bias, start: int, m: int, p: float) -> torch.Tensor:
+        # softmax(a_v (Q K^T + B_v) + sum_i a_i S_i + additive) V
+        #   = SDPA(a_v Q, K, V, attn_mask = a_v B_v + sum_i a_i S_i + additive)
         alpha = self._alpha() if len(self.mixers) > 1 else None
         for i, name in enumerate(self.mixers):
             weight = None if alpha is None else alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None]
             if name == "vanilla":
                 q = q if weight is None else q * weight.to(q.dtype)
+                if vanilla_bias is not None:
+                    additive = add_optional(additive, vanilla_bias if weight is None else weight * vanilla_bias)
             else:  # a layer with vanilla and a synthesizer is a mixture: weight is set
-                additive = additive + weight * self.synth[name](x, start, m)  # [b|1, heads/tp, n, m]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive.to(q.dtype), dropout_p=p, scale=1.0)
+                additive = add_optional(additive, weight * self.synth[name](x, start, m))  # [b|1, heads/tp, n, m]
+        mask = None if additive is None else additive.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
 
-    def _mixed(self, x, q, k, v, additive, start: int, m: int, p: float) -> torch.Tensor:
+    def _mixed(self, x, q, k, v, additive, vanilla_bias, start: int, m: int, p: float) -> torch.Tensor:
         alpha = self._alpha() if len(self.mixers) > 1 else None
         logits = None
         for i, name in enumerate(self.mixers):
             s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](x, start, m)  # [b|1, h/tp, n, m]
+            if name == "vanilla" and vanilla_bias is not None:
+                s = s + vanilla_bias  # T5's bias on the dot-product logits, weighted with them
             s = s if alpha is None else s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = s if logits is None else logits + s
         probs = _softmax(logits, additive, v.dtype)  # [b|1, heads/tp, n, m]

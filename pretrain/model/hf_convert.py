@@ -1,8 +1,9 @@
 """Our full (TP=1) state dict <-> HuggingFace `T5ForConditionalGeneration` (v1.1: gated-gelu, untied).
 
-Only vanilla models map onto HF's T5 weights (pretrain.export adds the Synthesizer parameters); `hf_config`
-gives Synthesizer models `SynthesizerT5Config` (model_type "synthesizer_t5", remote code in
-`pretrain/model/hf_synthesizer/`). Layout differences: our fused Q/K/V rows are ordered [head, (q, k, v),
+Only vanilla models with T5's relative bias (`is_hf_t5`) map onto HF's T5 weights (pretrain.export adds the
+Synthesizer parameters); `hf_config` gives the others `SynthesizerT5Config` (model_type "synthesizer_t5", remote
+code in `pretrain/model/hf_synthesizer/`), vanilla ones with `model.position_bias: none` included: HF's T5 has no
+way to leave the bias out. Layout differences: our fused Q/K/V rows are ordered [head, (q, k, v),
 d_kv], HF keeps q, k, v apart; our fused FFN input is [wi_0; wi_1]; our relative bias is [heads, buckets],
 HF's embedding is [buckets, heads]; HF's `encoder/decoder.embed_tokens` are `shared`. The HF dict saved as
 model.safetensors next to `hf_config(cfg).save_pretrained(dir)` loads with `from_pretrained(dir)`.
@@ -16,6 +17,7 @@ import torch
 from transformers import T5Config
 
 from pretrain.core.config import ModelConfig
+from pretrain.model.attention import bias_placement, parse_mixers
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
 
 # the HF tensors one of our parameters is made of, and how they combine into it
@@ -24,8 +26,15 @@ Source = tuple[tuple[str, ...], Callable[[list[torch.Tensor]], torch.Tensor]]
 Target = tuple[tuple[str, ...], Callable[[torch.Tensor], list[torch.Tensor]]]
 
 
+def is_hf_t5(cfg: ModelConfig) -> bool:
+    """Whether the model is HF's T5ForConditionalGeneration: dot-product self-attention everywhere, and T5's relative
+    bias in both stacks (position_bias all or vanilla, the same function for a vanilla model)."""
+    vanilla = (cfg.encoder_attention, cfg.decoder_attention) == ("vanilla", "vanilla")
+    return vanilla and bias_placement(cfg.position_bias, ("vanilla",)) is not None
+
+
 def hf_config(cfg: ModelConfig) -> T5Config:
-    """T5Config for vanilla models; SynthesizerT5Config (T5Config plus the mixers) for the others."""
+    """T5Config for HF T5 models (`is_hf_t5`); SynthesizerT5Config (T5Config plus the mixers) for the others."""
     t5 = dict(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff, num_layers=cfg.num_layers,
         num_decoder_layers=cfg.num_decoder_layers, num_heads=cfg.num_heads,
@@ -36,12 +45,13 @@ def hf_config(cfg: ModelConfig) -> T5Config:
         # transformers 5.x needs these explicitly for labels= to work
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )
-    if (cfg.encoder_attention, cfg.decoder_attention) == ("vanilla", "vanilla"):
+    if is_hf_t5(cfg):
         config = T5Config(**t5)
     else:
         config = SynthesizerT5Config(
             **t5, encoder_attention=cfg.encoder_attention, decoder_attention=cfg.decoder_attention,
             synthesizer_length=cfg.max_length, factorized_k=cfg.factorized_k, mixture_per_head=cfg.mixture_per_head,
+            position_bias=cfg.position_bias, synthesizer_init=cfg.synthesizer_init,
         )
     # transformers 5.x reads tie_word_embeddings=False as "v1.1: do not scale the decoder output" and then
     # ties anyway; a checkpoint whose lm_head differs from `shared` is loaded untied by from_pretrained
@@ -55,11 +65,17 @@ def vanilla_layout(cfg: ModelConfig) -> ModelConfig:
 
 
 def _check_vanilla(cfg: ModelConfig) -> None:
-    if cfg.encoder_attention != "vanilla" or cfg.decoder_attention != "vanilla":
+    if not is_hf_t5(cfg):
         raise ValueError(
-            f"only vanilla models have a HuggingFace T5 layout; this one has encoder '{cfg.encoder_attention}', "
-            f"decoder '{cfg.decoder_attention}'"
+            f"only vanilla models with T5's relative bias have a HuggingFace T5 layout; this one has encoder "
+            f"'{cfg.encoder_attention}', decoder '{cfg.decoder_attention}', position_bias '{cfg.position_bias}'"
         )
+
+
+def _with_bias(cfg: ModelConfig) -> tuple[str, ...]:
+    """The stacks that have a relative bias parameter (model.position_bias)."""
+    specs = {"encoder": cfg.encoder_attention, "decoder": cfg.decoder_attention}
+    return tuple(s for s, spec in specs.items() if bias_placement(cfg.position_bias, parse_mixers(spec)) is not None)
 
 
 def _layers(cfg: ModelConfig):
@@ -102,7 +118,7 @@ def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
     # HF's `encoder/decoder.embed_tokens` are `shared`
     out["embed.weight"] = (("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
                            lambda t: [t, t, t])
-    for stack in ("encoder", "decoder"):
+    for stack in _with_bias(cfg):
         out[f"{stack}.relative_bias.weight"] = (  # ours [heads, buckets] -> HF's [buckets, heads]
             (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",), lambda t: [t.t()])
     for stack, ours, hf, ffn in _layers(cfg):
@@ -134,7 +150,7 @@ def hf_sources(cfg: ModelConfig) -> dict[str, Source]:
         return ts[0]
 
     out: dict[str, Source] = {ours: ((hf,), one) for ours, hf in _pairs(cfg)}
-    for stack in ("encoder", "decoder"):
+    for stack in _with_bias(cfg):
         out[f"{stack}.relative_bias.weight"] = (  # HF's [buckets, heads] -> ours [heads, buckets]
             (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",), lambda ts: ts[0].t().contiguous())
     for stack, ours, hf, ffn in _layers(cfg):

@@ -22,7 +22,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
-from pretrain.core.config import ModelConfig, UsageError
+from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import mismatched
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
@@ -90,7 +90,7 @@ def export_config(folder: str | Path) -> ModelConfig:
                  folder, ", ".join(resaved))
     elif damaged := mismatched(folder, section["files"], [n for n in section["files"] if (folder / n).is_file()]):
         raise UsageError(f"export {folder} is damaged: {', '.join(damaged)}; export the checkpoint again")
-    return ModelConfig(**section["model"])
+    return saved_model_config(section["model"])
 
 
 def _marked(file: Path, mark: dict[str, str]) -> bool:

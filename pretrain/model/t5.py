@@ -18,7 +18,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmb
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.model.attention import CrossAttention, RelativePositionBias, RowLinear, SelfAttention, parse_mixers
+from pretrain.model.attention import (CrossAttention, RelativePositionBias, RowLinear, SelfAttention, add_optional,
+                                      bias_placement, parse_mixers)
 from pretrain.model.init import init_scope, model_init
 from pretrain.model.loss import vocab_parallel_cross_entropy
 from pretrain.distributed.parallel import padded_vocab_size
@@ -87,10 +88,11 @@ class Block(nn.Module):
             self.ffn = GatedFFN(cfg, mp_config)
         self.dropout = cfg.dropout
 
-    def forward(self, h, bias, mask, memory=None, memory_mask=None, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, h, bias, mask, memory=None, memory_mask=None, cache: dict | None = None,
+                vanilla_bias=None) -> torch.Tensor:
         # residual-stream dropout is replicated over TP: the default stream, identical on every TP rank
         p = self.dropout if self.training else 0.0
-        h = h + F.dropout(self.attn(self.attn_norm(h), bias, mask, cache), p)
+        h = h + F.dropout(self.attn(self.attn_norm(h), bias, mask, cache, vanilla_bias), p)
         if memory is not None:
             if cache is None:
                 memory_kv = self.cross.project_memory(memory)
@@ -108,8 +110,12 @@ class Stack(nn.Module):
     def __init__(self, cfg: ModelConfig, num_layers: int, mixers: tuple[str, ...], is_decoder: bool,
                  mp_config, tp_rank: int, tp: int, activation_checkpointing: str, sdpa: bool | None) -> None:
         super().__init__()
-        with init_scope("relative_bias"):
-            self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
+        # where T5's relative bias goes (model.position_bias): after mixing, on Q K^T before mixing, or nowhere
+        self.bias_placement = bias_placement(cfg.position_bias, mixers)
+        self.relative_bias = None
+        if self.bias_placement:
+            with init_scope("relative_bias"):
+                self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
         selective = activation_checkpointing == "selective"
         self.layers = nn.ModuleList()
         for i in range(num_layers):
@@ -122,19 +128,21 @@ class Stack(nn.Module):
     def forward(self, h, mask, memory=None, memory_mask=None, caches: list[dict] | None = None) -> torch.Tensor:
         start = caches[0].get("len", 0) if caches else 0
         n = h.shape[1]
-        bias = self.relative_bias(n, start + n, start)  # [1, heads/tp, n, start + n]
+        bias = None if self.relative_bias is None else self.relative_bias(n, start + n, start)  # [1, h/tp, n, start+n]
+        vanilla_bias = bias if self.bias_placement == "vanilla" else None  # added to Q K^T alone, before mixing
         # bias + mask once per stack, shared by the layers (as HF's position_bias): one pass over
         # [b, heads/tp, n, m] and one gradient sum into the bias instead of one per layer; without a mask
         # (unpadded encoder batches) it stays [1, heads/tp, n, m] and input-independent mixers use that
-        additive = bias if mask is None else bias + mask  # [b|1, heads/tp, n, start + n]
+        additive = add_optional(None if vanilla_bias is not None else bias, mask)  # [b|1, heads/tp, n, start + n]
         p = self.dropout if self.training else 0.0
         h = F.dropout(h, p)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training:
                 # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
-                h = tensor_parallel.checkpoint(layer, False, h, additive, None, memory, memory_mask)
+                h = tensor_parallel.checkpoint(layer, False, h, additive, None, memory, memory_mask, None,
+                                               vanilla_bias)
             else:
-                h = layer(h, additive, None, memory, memory_mask, caches[i] if caches else None)
+                h = layer(h, additive, None, memory, memory_mask, caches[i] if caches else None, vanilla_bias)
         return F.dropout(self.final_norm(h), p)
 
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import yaml
 from megatron.core.tensor_parallel import random as mp_random
 
-from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
+from pretrain.core.config import MODEL_KEYS_ADDED, CheckpointConfig, ModelConfig, UsageError
 from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_intact, complete_steps, damaged_parts,
                                     describe, fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic,
                                     write_marker)
@@ -129,10 +129,13 @@ def find_resume(cfg: CheckpointConfig, root: Path, rank: int = 0, world: int = 1
 
 
 def check_same_model(saved: dict[str, Any], current: ModelConfig, path: Path) -> None:
-    """Refuse a resume whose model differs in anything but dropout; name every difference."""
+    """Refuse a resume whose model differs in anything but dropout; name every difference. A key the checkpoint
+    predates has its old behaviour's value (MODEL_KEYS_ADDED): such a checkpoint resumes under that value."""
+    older = {k: f"{v!r} (the checkpoint predates the key)" for k, v in MODEL_KEYS_ADDED.items() if k not in saved}
+    saved = {**MODEL_KEYS_ADDED, **saved}
     now = dataclasses.asdict(current)
     diffs = [
-        f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now"
+        f"model.{k}: {older.get(k, repr(saved.get(k)))} in the checkpoint, {v!r} now"
         for k, v in now.items()
         if k != "dropout" and saved.get(k) != v
     ]

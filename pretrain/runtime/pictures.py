@@ -87,6 +87,7 @@ def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
     def hook(module, args, kwargs, output):
         captured["x"], captured["bias"] = args[0], args[1]
+        captured["vanilla_bias"] = args[4] if len(args) > 4 else kwargs.get("vanilla_bias")
         captured["out"] = output
 
     handle = attn.register_forward_hook(hook, with_kwargs=True)
@@ -94,13 +95,17 @@ def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         model.encode(input_ids, torch.ones_like(input_ids))
     finally:
         handle.remove()
-    x, additive = captured["x"], captured["bias"]  # [1, n, d], [1, heads, n, n] (no padding: bias only)
+    # [1, n, d]; [1, heads, n, n] or None (no padding: the bias after mixing only); [1, heads, n, n] or None
+    x, additive, vanilla_bias = captured["x"], captured["bias"], captured["vanilla_bias"]
+    additive = 0 if additive is None else additive  # position_bias: none (or vanilla without a mixture)
     b, n, _ = x.shape
     logits = {}
     for name in attn.mixers:
         if name == "vanilla":
             qkv = attn.qkv(x)[0].view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
             logits[name] = qkv[0] @ qkv[1].transpose(-1, -2)  # [1, heads, n, n]; T5 folds the scale into Q
+            if vanilla_bias is not None:  # position_bias: vanilla, in a mixture
+                logits[name] = logits[name] + vanilla_bias
         else:
             logits[name] = attn.synth[name](x, 0, n).expand(b, -1, -1, -1)
     if len(attn.mixers) > 1:

@@ -48,7 +48,7 @@ import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from pretrain.runtime.checkpoint import INPUTS, TOKENIZER, sha256_of
-from pretrain.core.config import ModelConfig, UsageError
+from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import check_intact, complete_steps, describe, tag_for
 from pretrain.model import T5Model, build_local_model, full_state_dict
 from pretrain.model.hf_convert import Target, hf_config, hf_targets, vanilla_layout
@@ -349,7 +349,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
                          "and replace; choose a folder outside it")
     ckpt = find_checkpoint(run_dir, step)
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
-    cfg = ModelConfig(**saved["model"])
+    cfg = saved_model_config(saved["model"])
     spiece = _trained_tokenizer(ckpt, Path(saved["data"]["tokenizer"]))
     trainer = json.loads((ckpt / "trainer_state.json").read_text())
     log.info("exporting %s (step %d, TP %d x DP %d) to %s", ckpt, trainer["step"], trainer["tp"], trainer["dp"], output)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
 from pretrain.model.attention import parse_mixers
+from pretrain.model.hf_convert import is_hf_t5
 
 PIPELINE_TAG = "text-generation"
 FINE_TUNING_DROPOUT = 0.1  # T5 v1.1's dropout_rate for fine-tuning; pretraining (and so the export) runs without
@@ -28,6 +29,11 @@ MIXER_TEXT = {
     "fixed_random": "Fixed Random Synthesizer: a frozen random N x N logit matrix per head",
     "factorized_dense": "Factorized Dense Synthesizer: two small dense projections whose outer product gives N logits",
     "factorized_random": "Factorized Random Synthesizer: R1 R2^T per head, R1, R2 in R^{N x k}",
+}
+POSITION_BIAS_TEXT = {  # model.position_bias (docs/model.md, "Position bias")
+    "all": "T5's, added to every self-attention's mixed logits (`position_bias: all`)",
+    "vanilla": "T5's, on the dot-product logits only, before mixing (`position_bias: vanilla`)",
+    "none": "none: self-attention sees no positions but the decoder's causal mask (`position_bias: none`)",
 }
 
 
@@ -58,6 +64,7 @@ def _fine_tuning(name: str, synthesizer: bool, dropout: float) -> list[str]:
 def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], source: dict, name: str) -> str:
     """README.md text; `mixture`: softmax mixture weights per layer, `source`: step, tokens_seen, data, evaluation."""
     synthesizer = (cfg.encoder_attention, cfg.decoder_attention) != ("vanilla", "vanilla")
+    remote = not is_hf_t5(cfg)  # the remote code: Synthesizer models, and vanilla ones without T5's position bias
     used = set(parse_mixers(cfg.encoder_attention)) | set(parse_mixers(cfg.decoder_attention))
     mixers = [m for m in MIXER_TEXT if m in used]
     lines = [
@@ -73,6 +80,7 @@ def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], sour
         f"| vocabulary | {cfg.vocab_size} |",
         f"| encoder self-attention | `{cfg.encoder_attention}` |",
         f"| decoder self-attention | `{cfg.decoder_attention}` |",
+        f"| relative position bias | {POSITION_BIAS_TEXT[cfg.position_bias]} |",
     ]
     if synthesizer:
         lines += [f"| maximum length N | {cfg.max_length} (longer inputs are refused) |",
@@ -92,8 +100,8 @@ def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], sour
                 for key, label in labels.items() if source.get(key) not in (None, "")]
     lines += ["", "## Training", "", *(training or ["Not recorded (exported from a model in memory)."])]
     lines += ["", "## Evaluation", "", *_evaluation(source.get("evaluation") or {})]
-    lines += _fine_tuning(name, synthesizer, cfg.dropout)
-    lines += ["", "## How to load", "", "```python", _loading(name, synthesizer),
+    lines += _fine_tuning(name, remote, cfg.dropout)
+    lines += ["", "## How to load", "", "```python", _loading(name, remote),
               'ids = tokenizer("sst2 sentence: a gorgeous film", return_tensors="pt").input_ids',
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=8)[0], skip_special_tokens=True))",
               "```", "",

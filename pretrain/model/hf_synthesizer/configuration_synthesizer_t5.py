@@ -17,7 +17,12 @@ SYNTHESIZER_DEFAULTS = {
     "synthesizer_length": 512,  # N: synthesized logits are N x N, sliced to the sequence (longer ones are refused)
     "factorized_k": 8,  # rank k of factorized_random (R1 R2^T with R1, R2 in R^{N x k})
     "mixture_per_head": False,  # one mixture weight vector per head instead of one per layer
+    # T5's relative bias: "all" (added to the mixed logits), "vanilla" (to q k^T alone, before mixing; no bias in a
+    # layer without "vanilla"), "none" (nowhere: the paper's formula)
+    "position_bias": "all",
+    "synthesizer_init": "t5",  # how a fresh model draws its synthesizers: "t5" or "mesh_tf" (near-uniform attention)
 }
+CHOICES = {"position_bias": ("all", "vanilla", "none"), "synthesizer_init": ("mesh_tf", "t5")}
 
 
 class SynthesizerT5Config(T5Config):
@@ -33,6 +38,9 @@ class SynthesizerT5Config(T5Config):
             if any(name not in MIXERS for name in names) or len(set(names)) != len(names):
                 raise ValueError(f"{key} '{getattr(self, key)}': expected distinct names of {', '.join(MIXERS)} "
                                  f"joined by '+'")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} '{getattr(self, key)}': expected one of {', '.join(allowed)}")
         super().__init__(**kwargs)
 
     def to_dict(self) -> dict:

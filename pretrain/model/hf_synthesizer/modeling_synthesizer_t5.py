@@ -6,8 +6,10 @@ self-attention is HF's T5. Each self-attention sums its mixers' per-head logits 
 by softmax(mix) (one vector per layer, or one per head) when there are several: "vanilla" is T5's q k^T,
 the synthesizers build logits for the maximum length N (`synthesizer_length`) and slice them to the query
 rows [start, start + n) and the first m key columns. Then T5's relative position bias and the mask are
-added, softmax in fp32, times the values. Incremental decoding caches keys and values in HF's cache, whose
-length is the position offset `start` of the synthesized rows. Runs on transformers 4.46 to 5.x, whose T5 calls
+added, softmax in fp32, times the values. `position_bias` moves the bias (`bias_placement`): "vanilla" adds it to
+q k^T alone, before mixing, "none" leaves it out; a stack without it has no `relative_attention_bias`.
+`synthesizer_init` says how a model built from its config (not loaded) draws its synthesizers. Incremental
+decoding caches keys and values in HF's cache, whose length is the position offset `start` of the synthesized rows. Runs on transformers 4.46 to 5.x, whose T5 calls
 self-attention in several ways (`_CACHE`, `_FOLDS_MASK` below).
 """
 import inspect
@@ -39,6 +41,33 @@ if _CACHE is None or tuple(int(part) for part in transformers.__version__.split(
                       f"transformers {transformers.__version__}")
 
 
+def bias_placement(position_bias: str, mixers: tuple) -> str:
+    """Where a stack adds T5's relative bias: "mixed" (to the mixed logits), "vanilla" (to q k^T before mixing) or
+    None; a layer of vanilla alone is the same function under "all" and "vanilla"."""
+    if position_bias == "all" or (position_bias == "vanilla" and mixers == ("vanilla",)):
+        return "mixed"
+    return "vanilla" if position_bias == "vanilla" and "vanilla" in mixers else None
+
+
+def mesh_tf_glorot(shape: tuple, mesh_tf_shape: tuple) -> torch.Tensor:
+    """Drawn as Mesh TF draws a variable of `mesh_tf_shape` without an initializer: TF's glorot_uniform, the fans
+    of that layout (the last two dimensions, each times the others' product)."""
+    limit = math.sqrt(6 / ((mesh_tf_shape[-2] + mesh_tf_shape[-1]) * math.prod(mesh_tf_shape[:-2])))
+    return torch.empty(shape).uniform_(-limit, limit)
+
+
+def dense_kernel(config: SynthesizerT5Config, shape: tuple) -> torch.Tensor:
+    """W2 / W_A / W_B [heads, out, d_kv]: T5's normal of std 1/sqrt(d_kv), or Mesh TF's dense kernel (a truncated
+    normal of std 1/sqrt(d_kv) before values beyond two standard deviations are redrawn)."""
+    std = config.d_kv**-0.5
+    if config.synthesizer_init == "mesh_tf":
+        # not trunc_normal_'s return value: transformers 4's from_pretrained swaps nn.init for functions returning None
+        w = torch.empty(shape)
+        nn.init.trunc_normal_(w, 0.0, std, -2 * std, 2 * std)
+        return w
+    return torch.randn(shape) * config.initializer_factor * std
+
+
 def factor_pair(n: int) -> tuple[int, int]:
     """(a, b) with a * b = n and a the largest divisor <= sqrt(n): 512 -> (16, 32)."""
     a = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
@@ -51,7 +80,8 @@ class HiddenProjection(nn.Module):
     def __init__(self, config: SynthesizerT5Config) -> None:
         super().__init__()
         self.w1 = nn.Linear(config.d_model, config.num_heads * config.d_kv, bias=True)
-        nn.init.normal_(self.w1.weight, 0.0, config.initializer_factor * config.d_model**-0.5)
+        fan = config.d_model * (config.d_kv if config.synthesizer_init == "mesh_tf" else 1)  # mesh_tf: as a query
+        nn.init.normal_(self.w1.weight, 0.0, config.initializer_factor * fan**-0.5)
         nn.init.zeros_(self.w1.bias)
         self.d_kv = config.d_kv
 
@@ -65,9 +95,9 @@ class Dense(nn.Module):
 
     def __init__(self, config: SynthesizerT5Config) -> None:
         super().__init__()
-        h, n, std = config.num_heads, config.synthesizer_length, config.initializer_factor * config.d_kv**-0.5
+        h, n = config.num_heads, config.synthesizer_length
         self.hidden = HiddenProjection(config)
-        self.w2 = nn.Parameter(torch.randn(h, n, config.d_kv) * std)
+        self.w2 = nn.Parameter(dense_kernel(config, (h, n, config.d_kv)))
         self.b2 = nn.Parameter(torch.zeros(h, n))
 
     def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
@@ -80,11 +110,11 @@ class FactorizedDense(nn.Module):
 
     def __init__(self, config: SynthesizerT5Config) -> None:
         super().__init__()
-        h, dkv, std = config.num_heads, config.d_kv, config.initializer_factor * config.d_kv**-0.5
+        h, dkv = config.num_heads, config.d_kv
         self.a, self.b = factor_pair(config.synthesizer_length)
         self.hidden = HiddenProjection(config)
-        self.wa, self.ba = nn.Parameter(torch.randn(h, self.a, dkv) * std), nn.Parameter(torch.zeros(h, self.a))
-        self.wb, self.bb = nn.Parameter(torch.randn(h, self.b, dkv) * std), nn.Parameter(torch.zeros(h, self.b))
+        self.wa, self.ba = nn.Parameter(dense_kernel(config, (h, self.a, dkv))), nn.Parameter(torch.zeros(h, self.a))
+        self.wb, self.bb = nn.Parameter(dense_kernel(config, (h, self.b, dkv))), nn.Parameter(torch.zeros(h, self.b))
 
     def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
         hid = self.hidden(x)  # [b, n, heads, d_kv]
@@ -98,8 +128,12 @@ class Random(nn.Module):
 
     def __init__(self, config: SynthesizerT5Config, trainable: bool) -> None:
         super().__init__()
-        n = config.synthesizer_length
-        self.r = nn.Parameter(torch.randn(config.num_heads, n, n) * config.initializer_factor, requires_grad=trainable)
+        n, h = config.synthesizer_length, config.num_heads
+        if config.synthesizer_init == "mesh_tf":  # Mesh TF's R [length, heads, memory_length]
+            r = mesh_tf_glorot((h, n, n), (n, h, n))
+        else:
+            r = torch.randn(h, n, n) * config.initializer_factor
+        self.r = nn.Parameter(r, requires_grad=trainable)
 
     def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
         return self.r[None, :, start : start + x.shape[1], :m]  # [1, heads, n, m]
@@ -110,9 +144,15 @@ class FactorizedRandom(nn.Module):
 
     def __init__(self, config: SynthesizerT5Config) -> None:
         super().__init__()
-        shape = (config.num_heads, config.synthesizer_length, config.factorized_k)
-        std = config.initializer_factor * config.factorized_k**-0.25  # entries of R1 R2^T: unit variance
-        self.r1, self.r2 = nn.Parameter(torch.randn(shape) * std), nn.Parameter(torch.randn(shape) * std)
+        h, n, k = config.num_heads, config.synthesizer_length, config.factorized_k
+        std = config.initializer_factor * k**-0.25  # t5: entries of R1 R2^T have unit variance
+
+        def draw() -> torch.Tensor:  # mesh_tf: as Mesh TF's "factorized" R1, R2 [k, heads, memory_length]
+            if config.synthesizer_init == "mesh_tf":
+                return mesh_tf_glorot((h, n, k), (k, h, n))
+            return torch.randn(h, n, k) * std
+
+        self.r1, self.r2 = nn.Parameter(draw()), nn.Parameter(draw())
 
     def forward(self, x: torch.Tensor, start: int, m: int) -> torch.Tensor:
         return (self.r1[:, start : start + x.shape[1]] @ self.r2[:, :m].transpose(1, 2))[None]  # [1, heads, n, m]
@@ -131,10 +171,11 @@ class SynthesizerT5Attention(T5Attention):
     """T5's self-attention with logits from a softmax-weighted mixture of mixers; no q, k without "vanilla"."""
 
     def __init__(self, config: SynthesizerT5Config, mixers: tuple[str, ...], has_relative_attention_bias: bool,
-                 layer_idx: int) -> None:
+                 layer_idx: int, bias_on_vanilla: bool = False) -> None:
         super().__init__(config, has_relative_attention_bias, layer_idx)
         self.is_causal = config.is_decoder  # later transformers take it as an argument, earlier ones do not know it
         self.mixers = mixers
+        self.bias_on_vanilla = bias_on_vanilla  # position_bias "vanilla" in a mixture: the bias weighs with q k^T
         self.max_length = config.synthesizer_length
         if "vanilla" not in mixers:
             del self.q, self.k
@@ -178,18 +219,23 @@ class SynthesizerT5Attention(T5Attention):
                 position_bias = self.compute_bias(start + n, m, device=v.device)[:, :, -n:]
             else:
                 position_bias = torch.zeros(1, self.n_heads, n, m, device=v.device, dtype=v.dtype)
-            if _FOLDS_MASK and mask is not None:
+            if _FOLDS_MASK and mask is not None and not self.bias_on_vanilla:
                 position_bias = position_bias + mask[..., :m]
-        additive = position_bias if _FOLDS_MASK or mask is None else position_bias + mask
+        if self.bias_on_vanilla:  # every layer of the stack keeps the bias apart and adds the mask itself
+            vanilla_bias, additive = position_bias, None if mask is None else mask[..., :m]
+        else:
+            vanilla_bias, additive = None, position_bias if _FOLDS_MASK or mask is None else position_bias + mask
         alpha = torch.softmax(self.mix, dim=-1) if len(self.mixers) > 1 else None  # [k] or [heads, k]
         logits = 0
         for i, name in enumerate(self.mixers):
             s = q @ k.transpose(-1, -2) if name == "vanilla" else self.synth[name](hidden_states, start, m)
+            if name == "vanilla" and vanilla_bias is not None:
+                s = s + vanilla_bias
             if alpha is not None:
                 s = s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = logits + s  # [b|1, heads, n, m]
         wide = torch.promote_types(v.dtype, torch.float32)  # bf16 logits lose the differences that decide
-        probs = torch.softmax((logits + additive).to(wide), dim=-1).to(v.dtype)
+        probs = torch.softmax((logits if additive is None else logits + additive).to(wide), dim=-1).to(v.dtype)
         probs = F.dropout(probs, self.dropout, training=self.training)
         if layer_head_mask is not None:  # head_mask of the transformers 4 releases
             probs = probs * layer_head_mask
@@ -222,6 +268,9 @@ class SynthesizerT5ForConditionalGeneration(T5ForConditionalGeneration):
     def __init__(self, config: SynthesizerT5Config) -> None:
         super().__init__(config)
         for stack, spec in ((self.encoder, config.encoder_attention), (self.decoder, config.decoder_attention)):
+            mixers = tuple(spec.split("+"))
+            placement = bias_placement(config.position_bias, mixers)
             for i, block in enumerate(stack.block):
-                block.layer[0].SelfAttention = SynthesizerT5Attention(stack.config, tuple(spec.split("+")), i == 0, i)
+                block.layer[0].SelfAttention = SynthesizerT5Attention(stack.config, mixers, i == 0 and bool(placement),
+                                                                      i, placement == "vanilla")
         self.post_init()
