@@ -1,7 +1,9 @@
 """The fast paths equal the plain ones: vanilla attention through SDPA (bias + masks + synthesized logits as a
 float attn_mask with a gradient) against materialised logits, in the forward and every gradient; a missing
 padding mask (the pretraining collator's unpadded batches) against an all-ones one; selective recompute of
-core attention and whole-layer recompute against none, dropout included; torch.compile against eager."""
+core attention and whole-layer recompute against none, dropout included; torch.compile against eager; the
+eager CPU forms (pretrain/model/cpu_autograd.py) against the plain ones, and what a CPU train step no longer
+does (issue 31)."""
 from __future__ import annotations
 
 import dataclasses
@@ -194,3 +196,63 @@ def test_a_layer_compiles_to_one_graph(tp):
         # input gradient with async_op=True (overlapped with the weight-gradient GEMM), which dynamo cannot trace
         for graphs, breaks, reasons in found.values():
             assert breaks == graphs - 1 and set(reasons) == {"async_op=True for distributed collectives"}
+
+
+def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
+    # RMSNorm and the gated GELU with hand-written backward passes: gradcheck, then whole models (a vanilla and a
+    # mixture layer, padded and unpadded) against the plain forms (use_cpu_autograd off), in float64
+    import pretrain.model.t5 as t5
+    from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn(16, dtype=torch.float64, generator=g).requires_grad_()
+    h = (3 * torch.randn(3, 5, 32, dtype=torch.float64, generator=g)).requires_grad_()  # gate into GELU's tails
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-6), (x, w))
+    assert torch.autograd.gradcheck(GatedGeluFunction.apply, (h,))
+    torch.testing.assert_close(RMSNormFunction.apply(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6))
+    gate, linear = h.chunk(2, dim=-1)
+    torch.testing.assert_close(GatedGeluFunction.apply(h), F.gelu(gate, approximate="tanh") * linear)
+
+    calls = []
+    for fn in (RMSNormFunction, GatedGeluFunction):
+        monkeypatch.setattr(fn, "apply", lambda *a, fn=fn, apply=fn.apply: calls.append(fn) or apply(*a))
+    for spec in ("vanilla", "random+vanilla"):
+        for padded in (False, True):
+            batch = _batch(padded)
+            fast = _run(_model(spec).double(), *batch)
+            assert calls.count(RMSNormFunction) == 2 * 2 + 3 * 2 + 2 and calls.count(GatedGeluFunction) == 4
+            calls.clear()
+            with monkeypatch.context() as plain:
+                plain.setattr(t5, "use_cpu_autograd", lambda x: False)
+                _assert_same(fast, _run(_model(spec).double(), *batch), rtol=1e-10, atol=1e-12)
+            assert not calls
+
+
+def test_cpu_train_step_skips_measured_waste():
+    """One fp32 CPU step of a vanilla model does none of what issue 31's profile found in it (docs/model.md,
+    "Benchmark"): a second zero-filled [vocab, d] embedding gradient (encoder and decoder ids now share one
+    embedding call), select_backward's zero-filled full-size Q/K/V gradients, chunk's `cat` of the FFN gradient
+    halves, `tanh`, RMSNorm's decomposition (`pow`) and `max`'s unneeded indices in the loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = _model("vanilla")
+    ids, _, dec, labels, _ = _batch(padded=False)
+    with Ops() as forward:
+        loss = model(ids, None, dec, labels).loss
+    with Ops() as backward:
+        loss.backward()
+    assert backward.seen.count("embedding_dense_backward") == 1
+    assert backward.seen.count("cat") == 1  # the one gradient of the encoder and decoder embeddings
+    assert not {"tanh", "gelu", "pow", "max"} & set(forward.seen), sorted(set(forward.seen))
+    assert not {"select_backward", "gelu_backward", "tanh_backward", "pow"} & set(backward.seen), \
+        sorted(set(backward.seen))

@@ -121,12 +121,35 @@ class RowLinear(RowParallelLinear):
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)  # fwd: all-reduce over TP
 
 
-def _softmax(logits: torch.Tensor, additive: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _split_heads(fused: torch.Tensor, heads: int, parts: int, d_kv: int) -> tuple[torch.Tensor, ...]:
+    """A fused projection [b, n, heads/tp * parts * d_kv] (rows ordered [head, part, d_kv]) -> `parts` tensors
+    [b, heads/tp, n, d_kv] (q, k, v or k, v).
+
+    unbind, not indexing: unbind's gradient is one stack straight into the projection's [b, n, heads, parts,
+    d_kv] layout, where `qkv[i]` made one zero-filled full-size gradient per part, summed them and copied the
+    sum again (select_backward + add + clone: ~130 ms of a 7.3 s one-thread T5-small CPU step; the stack ~45 ms).
+    On the CPU the parts are copied to contiguous tensors, as the matmuls would copy them anyway; CUDA kernels
+    take the strided views."""
+    b, n, _ = fused.shape
+    views = (t.transpose(1, 2) for t in fused.view(b, n, heads, parts, d_kv).unbind(3))
+    return tuple(t.contiguous() if t.device.type == "cpu" else t for t in views)
+
+
+def _softmax(logits: torch.Tensor, additive: torch.Tensor | None, dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
     """softmax(logits + additive) in at least fp32 (bf16 logits lose the small differences that decide the
-    weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel."""
+    weights), returned in `dtype`; one elementwise chain that torch.compile fuses into a single kernel.
+
+    `fresh`: `logits` is a full-shape [b, heads/tp, n, m] temporary that nothing else reads (Q K^T or a sum of
+    weighted logits), so the additive terms go in in place, as HF's `scores += position_bias`: one [b, heads,
+    n, m] buffer less per layer to allocate and fill (25 MB per T5-small encoder layer at batch 4)."""
     wide = torch.promote_types(dtype, torch.float32)
-    logits = logits.to(wide) if additive is None else logits.to(wide) + additive.to(wide)  # summed in fp32
-    return torch.softmax(logits, dim=-1).to(dtype)
+    if additive is None:
+        summed = logits.to(wide)
+    elif fresh:
+        summed = logits.to(wide).add_(additive.to(wide))  # .to: a no-op in fp32, else a new wide tensor
+    else:
+        summed = logits.to(wide) + additive.to(wide)
+    return torch.softmax(summed, dim=-1).to(dtype)  # summed in fp32, not bf16
 
 
 class SelfAttention(nn.Module):
@@ -190,8 +213,7 @@ class SelfAttention(nn.Module):
                 f"attention; raise model.max_length or shorten the inputs"
             )
         if "vanilla" in self.mixers:
-            qkv = self.qkv(x)[0].view(b, n, self.heads, 3, self.d_kv).permute(3, 0, 2, 1, 4)
-            q, k, v = qkv[0], qkv[1], qkv[2]  # [b, heads/tp, n, d_kv]
+            q, k, v = _split_heads(self.qkv(x)[0], self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:
             q = k = None
             v = self.v(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
@@ -244,7 +266,8 @@ class SelfAttention(nn.Module):
                 s = s + vanilla_bias  # T5's bias on the dot-product logits, weighted with them
             s = s if alpha is None else s * (alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None])
             logits = s if logits is None else logits + s
-        probs = _softmax(logits, additive, v.dtype)  # [b|1, heads/tp, n, m]
+        # with vanilla in the layer the logits are a new [b, heads/tp, n, m] tensor: add the bias in place
+        probs = _softmax(logits, additive, v.dtype, fresh="vanilla" in self.mixers)  # [b|1, heads/tp, n, m]
         b, h, _, d_kv = v.shape
         if probs.shape[0] == 1 and b > 1 and p == 0:
             # input-independent logits and no padding: one softmax (and its backward) for the whole batch,
@@ -283,8 +306,8 @@ class CrossAttention(nn.Module):
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output [b, n, d] -> K, V [b, heads/tp, n, d_kv] (rows ordered [head, (k, v), d_kv])."""
         b, n, _ = memory.shape
-        kv = self.kv(memory)[0].view(b, n, self.heads, 2, self.d_kv).permute(3, 0, 2, 1, 4)
-        return kv[0], kv[1]
+        k, v = _split_heads(self.kv(memory)[0], self.heads, 2, self.d_kv)
+        return k, v
 
     def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape

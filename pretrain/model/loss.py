@@ -30,7 +30,8 @@ class _FlooredVocabParallelCrossEntropy(_VocabParallelCrossEntropy):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         group = parallel_state.get_tensor_model_parallel_group()
-        logits_max = logits.max(dim=-1)[0].to(torch.promote_types(logits.dtype, torch.float32))  # [b, m]
+        # amax, not max: max also computes the indices (29 vs 4 ms over T5-small's [4, 114, 32128] on one thread)
+        logits_max = logits.amax(dim=-1).to(torch.promote_types(logits.dtype, torch.float32))  # [b, m]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = torch.sub(logits, logits_max[..., None])  # [b, m, V/tp] >= fp32, a new tensor
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(

@@ -133,7 +133,8 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
         m = cfg.model
         encoder = micro_batch * cfg.data.input_length * m.d_model * model_bytes  # [b, n, d] one activation
         decoder = micro_batch * target_length * m.d_model * model_bytes  # [b, m, d]
-        forward_calls = 2 * m.num_layers + 3 * m.num_decoder_layers + 2
+        # row-parallel outputs per layer, + 1: encoder and decoder ids share one embedding call (T5Model._embed_pair)
+        forward_calls = 2 * m.num_layers + 3 * m.num_decoder_layers + 1
         forward = (2 * m.num_layers + 1) * encoder + (3 * m.num_decoder_layers + 1) * decoder
         passes = 3 if cfg.train.activation_checkpointing == "full" else 2  # fwd, bwd (+ the recomputed fwd)
         found.append(Collective("activations (TP)", "all_reduce", accumulation * (passes * forward_calls + 1),
