@@ -11,10 +11,10 @@ $(STAMP): requirements.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $(STAMP)
 
-# two pytest-xdist workers (CI has 2 cores); tests/conftest.py groups what must share a worker
+# two pytest-xdist workers (CI has 2 cores); tests/conftest.py says which tests share a worker
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 demo: setup
 	$(PY) -m pretrain.demo

@@ -10,6 +10,7 @@ in both major versions; tests/test_hf_versions.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import shutil
@@ -141,15 +142,31 @@ def transformers4_python(data_cache: Path) -> Path:
     return _build_once(data_cache / "test-fixtures" / f"transformers4-{key}", build) / "bin" / "python"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs two workers): the tests of a module that share a
-    module-scoped fixture run on one worker, so it is built once; every test of the SLURM cluster runs on one worker,
-    so one cluster starts (two would hand out the same job ids, and srun jobs derive their rendezvous port from the id);
-    every other test goes to whichever worker is free."""
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        scopes = {name: d[-1].scope for name, d in (defs.name2fixturedefs.items() if defs else ()) if d}
-        if "slurm_cluster" in scopes:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif any(scope in ("module", "class") for scope in scopes.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+def _work_unit(nodeid: str) -> str:
+    """The unit pytest-xdist hands one worker (`make test` runs two): the SLURM cluster's tests together (one cluster
+    starts; two would hand out the same job ids, and srun jobs derive their rendezvous port from the id), a module
+    with a module-scoped fixture together (the fixture is built once: the study's and the SLURM runs' take minutes),
+    every other test alone, to whichever worker is free. Decided from the file's text: the controller never imports
+    the tests (and xdist's own `xdist_group` marks do not reach pytest 9's node ids)."""
+    path = nodeid.split("::", 1)[0]
+    text = _test_file_text(path)
+    if "slurm_cluster" in text:
+        return "slurm"
+    return path if 'scope="module"' in text else nodeid
+
+
+@functools.cache
+def _test_file_text(path: str) -> str:
+    file = REPO / path
+    return file.read_text() if file.is_file() else ""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return SharedFixtureScheduling(config, log)

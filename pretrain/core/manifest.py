@@ -222,3 +222,30 @@ def newest_intact(root: Path, rank: int = 0, world: int = 1) -> Path | None:
         raise UsageError(f"{root / LATEST} {hint}, but no complete intact checkpoint is in {root} (a missing, "
                          "incomplete or damaged one is never resumed); the run cannot continue: start a new run.dir")
     return None
+
+
+# the run's inputs as a checkpoint records them (inputs.json, the loader's data state): shard names and sizes
+def describe_shards(shards: list[str] | tuple[str, ...]) -> tuple[tuple[str, int | None], ...]:
+    """(name, size) of each shard as a checkpoint records it: a moved shard folder is the same data; a URL's size is
+    unknown, so its name alone."""
+    return tuple((s.rsplit("/", 1)[-1], os.path.getsize(s) if os.path.isfile(s) else None) for s in shards)
+
+
+def shard_change(then: list[tuple], now: list[tuple]) -> str:
+    """The difference of two shard lists (`describe_shards`) in a few words: what went, what came, what changed size,
+    else the order."""
+    sizes_then, sizes_now = dict(then), dict(now)
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = [f"{len(then)} shards in the checkpoint, {len(now)} now"]
+    if gone := [n for n, _ in then if n not in sizes_now]:
+        parts.append(f"not listed now: {few(gone)}")
+    if new := [n for n, _ in now if n not in sizes_then]:
+        parts.append(f"new: {few(new)}")
+    if resized := [n for n, size in now if n in sizes_then and sizes_then[n] != size]:
+        parts.append(f"another size: {few(resized)}")
+    if len(parts) == 1:
+        parts.append("the same shards in another order")
+    return "; ".join(parts)

@@ -112,32 +112,6 @@ def expand_shards(spec: str) -> list[str]:
     return found
 
 
-def describe_shards(shards: list[str] | tuple[str, ...]) -> tuple[tuple[str, int | None], ...]:
-    """(name, size) of each shard as a checkpoint records it: a moved shard folder is the same data; a URL's size is
-    unknown, so its name alone."""
-    return tuple((s.rsplit("/", 1)[-1], os.path.getsize(s) if os.path.isfile(s) else None) for s in shards)
-
-
-def shard_change(then: list[tuple], now: list[tuple]) -> str:
-    """The difference of two shard lists (`describe_shards`) in a few words: what went, what came, what changed size,
-    else the order."""
-    sizes_then, sizes_now = dict(then), dict(now)
-
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    parts = [f"{len(then)} shards in the checkpoint, {len(now)} now"]
-    if gone := [n for n, _ in then if n not in sizes_now]:
-        parts.append(f"not listed now: {few(gone)}")
-    if new := [n for n, _ in now if n not in sizes_then]:
-        parts.append(f"new: {few(new)}")
-    if resized := [n for n, size in now if n in sizes_then and sizes_then[n] != size]:
-        parts.append(f"another size: {few(resized)}")
-    if len(parts) == 1:
-        parts.append("the same shards in another order")
-    return "; ".join(parts)
-
-
 def open_shard(url: str, retry: Retry | None) -> IO[bytes]:
     """A byte stream of one shard: local path, http(s) (Python's own client, no curl needed; `retry` says how
     patient it is), or `pipe:`."""

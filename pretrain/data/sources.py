@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from pretrain.data.shards import describe_shards, shard_change
+from pretrain.core.manifest import describe_shards, shard_change
 from pretrain.data.stream import StreamSpec, examples
 
 ONE_SOURCE = "train"  # the name of data.train's source: it draws with the run's seed, as before mixtures

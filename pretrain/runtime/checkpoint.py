@@ -47,9 +47,8 @@ from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.core.config import MODEL_KEYS_ADDED, CheckpointConfig, ModelConfig, UsageError
 from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_intact, complete_steps, damaged_parts,
-                                    describe, fsync_path, missing_parts, newest_intact, step_of, tag_for, write_atomic,
-                                    write_marker)
-from pretrain.data.shards import describe_shards, shard_change
+                                    describe, describe_shards, fsync_path, missing_parts, newest_intact, shard_change,
+                                    step_of, tag_for, write_atomic, write_marker)
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
                                      writing)
