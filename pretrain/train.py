@@ -33,6 +33,7 @@ from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
+from pretrain.runtime.profiling import build_profiler
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
@@ -148,7 +149,7 @@ def train(cfg: Config) -> int:
             flops_per_step=cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
                                                                        layout.target_length),
             job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
-            extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
+            extra=lambda: mixture_metrics(engine.module, cfg.zero.stage), straggler_factor=cfg.log.straggler_factor)
         evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims) if validation else None
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
                                 config=yaml.safe_load(to_yaml(cfg)))
@@ -159,7 +160,8 @@ def train(cfg: Config) -> int:
         try:
             return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
                             meter, checkpoints, metrics, evaluator,
-                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage))
+                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
+                            profiler=build_profiler(cfg.profile, run_dir, dims))
         finally:
             loader.close()
             metrics.close()
