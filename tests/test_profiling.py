@@ -13,7 +13,7 @@ import pytest
 from tests.test_metrics import read_metrics
 from tests.test_train import TINY, data_overrides
 
-SLEEP_S = 2.0  # per micro batch of the slow rank: 10x a tiny step on an idle core; still slowest at 4 s steps
+SLEEP_S = 1.0  # per micro batch of the slow rank: ~15x a tiny step (0.06 s) on an idle core; named up to 2 s steps
 
 
 class SlowLoader:
