@@ -50,6 +50,7 @@ class Profiler:
         self.end = cfg.start + cfg.steps - 1  # the last profiled step
         self.cuda = dims.device.type == "cuda"
         self._profile: torch.profiler.profile | None = None
+        self._first = cfg.start  # the first traced step (later when a resumed run starts past `start`)
 
     def before_step(self, step: int) -> None:
         global _tracing, _nvtx
@@ -64,7 +65,7 @@ class Profiler:
         self._profile.start()
         if self.cuda:
             torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
-        _tracing, _nvtx = True, self.cuda
+        _tracing, _nvtx, self._first = True, self.cuda, step
         log.info("profile: tracing steps %d-%d", step, self.end)
 
     def after_step(self, step: int, last: bool) -> None:
@@ -84,7 +85,7 @@ class Profiler:
         memory = " and CUDA memory snapshots (rank<R>.memory.pickle, pytorch.org/memory_viz)" if (
             self.cfg.memory and self.cuda) else ""
         log.info("profile: steps %d-%d traced in %s: rank<R>.pt.trace.json per traced rank%s; open one in "
-                 "ui.perfetto.dev or run `tensorboard --logdir %s` (profiler plugin)", self.cfg.start, step,
+                 "ui.perfetto.dev, or run `tensorboard --logdir %s` (profiler plugin)", self._first, step,
                  self.folder, memory, self.folder)
 
 
@@ -96,6 +97,8 @@ def build_profiler(cfg: ProfileConfig, run_dir: Path, dims: ParallelDims) -> Pro
     if outside:
         raise UsageError(f"profile.ranks {list(cfg.ranks)}: rank {outside[0]} is not a rank of this job of "
                          f"{dims.world}; name ranks 0-{dims.world - 1}, or [] for all")
+    log.info("profile: steps %d-%d of %s will be traced to %s", cfg.start, cfg.start + cfg.steps - 1,
+             f"ranks {list(cfg.ranks)}" if cfg.ranks else "every rank", run_dir / "profile")
     if cfg.memory and dims.device.type != "cuda":
         log.info("profile.memory: the memory snapshot is CUDA's; ignored on %s", dims.device.type)
     if cfg.ranks and dims.rank not in cfg.ranks:
