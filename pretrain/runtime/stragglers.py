@@ -67,9 +67,9 @@ class RankSpread:
         """`wall`: this rank's seconds for the steps of `clocks` (the window since the last line)."""
         mine = torch.tensor([wall, sum(c.data_wait for c in clocks), *(c.ready() for c in clocks)],
                             dtype=torch.float64, device=device)
-        every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
-        dist.all_gather_single(every, mine)  # gloo takes only a flat output
-        every = every.view(-1, mine.numel()).cpu()  # [world, 2 + steps]
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)  # the list form: every backend, and torch 2.11 (the GPU machine's) to 2.13
+        every = torch.stack(parts).cpu()  # [world, 2 + steps]
         ready = every[:, 2:]  # [world, steps]
         waits = (ready.max(dim=0).values - ready).sum(dim=1)  # [world] seconds spent waiting for the latest rank
         times = ((every[:, 0] - waits) / len(clocks)).tolist()  # [world] per step, without the waits
