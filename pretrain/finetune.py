@@ -224,6 +224,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         raise UsageError(f"data.tokenizer ({cfg.data.tokenizer}) is not {own}, the tokenizer the export was trained "
                          "with: its token ids would mean other pieces; leave data.tokenizer empty (the export's own)")
     run_dir = Path(cfg.run.dir)
+    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
     lock = acquire_run_lock(run_dir, dims)
     try:
@@ -281,7 +282,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
                             checkpoints, metrics, evaluator,
                             pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
-                            profiler=build_profiler(cfg.profile, run_dir, dims))
+                            profiler=profiler)
         finally:
             metrics.close()
     finally:

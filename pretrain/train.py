@@ -97,6 +97,7 @@ def train(cfg: Config) -> int:
     if cfg.init:
         check_init_folder(Path(cfg.init), cfg.model, Path(cfg.data.tokenizer), cfg.init_resize_vocab)
     run_dir = Path(cfg.run.dir)
+    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
     lock = acquire_run_lock(run_dir, dims)
     try:
         # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
@@ -161,7 +162,7 @@ def train(cfg: Config) -> int:
             return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
                             meter, checkpoints, metrics, evaluator,
                             pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
-                            profiler=build_profiler(cfg.profile, run_dir, dims))
+                            profiler=profiler)
         finally:
             loader.close()
             metrics.close()

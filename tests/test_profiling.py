@@ -119,3 +119,24 @@ def test_a_straggler_is_named_once(runs):
     assert len(rank0_warnings) == 1 and not rank1_warnings, (rank0_warnings, rank1_warnings)
     assert rank0_warnings[0].startswith(f"straggler: rank 1 on {socket.gethostname()} took ")
     assert "for 3 metrics lines running" in rank0_warnings[0]
+
+
+def test_profile_ranks_are_the_jobs(tmp_path):
+    """Off: no profiler at all; on: one for the listed ranks only; a rank outside the job is one line (exit 2)."""
+    import torch
+
+    from pretrain.core.config import ProfileConfig, UsageError
+    from pretrain.distributed.parallel import ParallelDims
+    from pretrain.runtime.profiling import build_profiler
+
+    def dims(rank: int) -> ParallelDims:
+        return ParallelDims(world=2, rank=rank, local_rank=rank, tp=1, dp=2, tp_rank=0, dp_rank=rank,
+                            device=torch.device("cpu"))
+
+    assert build_profiler(ProfileConfig(), tmp_path, dims(0)) is None
+    assert build_profiler(ProfileConfig(enabled=True), tmp_path, dims(1)) is not None
+    assert build_profiler(ProfileConfig(enabled=True, ranks=[1]), tmp_path, dims(0)) is None
+    assert build_profiler(ProfileConfig(enabled=True, ranks=[1]), tmp_path, dims(1)) is not None
+    with pytest.raises(UsageError, match=r"^profile.ranks \[0, 2\]: rank 2 is not a rank of this job of 2; name "
+                                         r"ranks 0-1, or \[\] for all$"):
+        build_profiler(ProfileConfig(enabled=True, ranks=[0, 2]), tmp_path, dims(0))
