@@ -31,8 +31,9 @@ import torch
 import yaml
 
 from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
-from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, RunConfig,
-                             TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config, to_yaml)
+from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, ModelConfig, ParallelConfig, ProfileConfig,
+                             RunConfig, TrainConfig, UsageError, ZeroConfig, check_at_least, parse_args, save_config,
+                             to_yaml)
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, input_limit, write_results
 from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes, stop_if_preempted
@@ -40,6 +41,7 @@ from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging, resolve_precision
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.profiling import build_profiler
 from pretrain.model import IGNORE_INDEX, T5Model, build_model, universal_checkpoint_info, with_vocab
 from pretrain.model.pretrained import export_config, foreign_tokenizer, load_weights
 from pretrain.runtime.schedule import with_finetune_lr
@@ -96,6 +98,7 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def check_examples(num_examples: int, file: Path, task: TaskConfig, micro_batch: int, dp: int) -> None:
@@ -221,6 +224,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         raise UsageError(f"data.tokenizer ({cfg.data.tokenizer}) is not {own}, the tokenizer the export was trained "
                          "with: its token ids would mean other pieces; leave data.tokenizer empty (the export's own)")
     run_dir = Path(cfg.run.dir)
+    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
     lock = acquire_run_lock(run_dir, dims)
     try:
@@ -265,7 +269,8 @@ def finetune(cfg: FinetuneConfig) -> int:
 
         # 5. Metrics, evaluation and the loop ----------------------------------------------------------------------
         meter = Meter(every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
-                      extra=lambda: mixture_metrics(engine.module, cfg.zero.stage))
+                      extra=lambda: mixture_metrics(engine.module, cfg.zero.stage),
+                      straggler_factor=cfg.log.straggler_factor)
         evaluator = TaskEvaluation(engine.module, tokenizer, task, cfg, max_input_length, run_dir, dims.rank)
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
                                 config=yaml.safe_load(to_yaml(cfg)))
@@ -276,7 +281,8 @@ def finetune(cfg: FinetuneConfig) -> int:
         try:
             code = run_loop(engine, to_device(stream, dims.device), accumulation, dims, cfg.train, progress, meter,
                             checkpoints, metrics, evaluator,
-                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage))
+                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
+                            profiler=profiler)
         finally:
             metrics.close()
     finally:

@@ -33,6 +33,7 @@ from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
+from pretrain.runtime.profiling import build_profiler
 from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
@@ -114,6 +115,7 @@ def train(cfg: Config) -> int:
     if cfg.init:
         check_init_folder(Path(cfg.init), cfg.model, Path(cfg.data.tokenizer), cfg.init_resize_vocab)
     run_dir = Path(cfg.run.dir)
+    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
     lock = acquire_run_lock(run_dir, dims)
     try:
         # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
@@ -169,7 +171,8 @@ def train(cfg: Config) -> int:
                                                                        layout.target_length),
             job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
             extra=lambda: {**mixture_metrics(engine.module, cfg.zero.stage),
-                           **loader.metrics(lambda values: sum_over_dp(values, dims.device))})
+                           **loader.metrics(lambda values: sum_over_dp(values, dims.device))},
+            straggler_factor=cfg.log.straggler_factor)
         evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims,
                                    weights={s.name: s.weight for s in cfg.data.sources}) if validation else None
         metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
@@ -181,7 +184,8 @@ def train(cfg: Config) -> int:
         try:
             return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
                             meter, checkpoints, metrics, evaluator,
-                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage))
+                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
+                            profiler=profiler)
         finally:
             loader.close()
             metrics.close()

@@ -43,6 +43,11 @@ def test_precedence_defaults_file_overrides():
         (["data.http_timeout_s=0"], "data.http_timeout_s (0.0) must be > 0"),
         (["data.http_retries=-1"], "data.http_retries (-1) must be >= 0"),
         (["log.every=0"], "log.every (0) must be >= 1"),
+        (["log.straggler_factor=0.9"], "log.straggler_factor (0.9) must be >= 1: how many times the median step"),
+        (["profile.start=0"], "profile.start (0) must be >= 1"),
+        (["profile.steps=0"], "profile.steps (0) must be >= 1"),
+        (["profile.ranks=[0,-1]"], "profile.ranks [0, -1]: rank -1 is negative or named twice"),
+        (["profile.ranks=[1,1]"], "profile.ranks [1, 1]: rank 1 is negative or named twice"),
         (["eval.every=5", "eval.batches=0"], "eval.batches (0) must be >= 1 when eval.every (5) is on; eval.every=0 "
                                              "turns evaluation off"),
         (["eval.every=-1"], "eval.every (-1) must be >= 0"),

@@ -231,9 +231,31 @@ class LogConfig:
     every: int = 10  # steps between metrics lines
     peak_flops: float = 0.0  # device peak FLOP/s for MFU (0: measured matmul rate on CPU, table on GPU)
     wandb: str = ""  # Weights & Biases project to mirror the metrics to ("": off; WANDB_MODE=offline works offline)
+    straggler_factor: float = 1.2  # warn when a rank's step exceeds the median's by this factor 3 log steps running
 
     def __post_init__(self) -> None:
         check_at_least("log", self, {"every": 1})
+        if not self.straggler_factor >= 1:  # also NaN; below 1 every rank but the fastest is a straggler
+            raise ConfigError(f"log.straggler_factor ({self.straggler_factor}) must be >= 1: how many times the "
+                              "median step time a rank may take before it is named a straggler")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    enabled: bool = False  # write a torch.profiler trace per rank to run.dir/profile/ (pretrain.runtime.profiling)
+    start: int = 10  # the first profiled step (counted from 1, as in metrics.jsonl)
+    steps: int = 3  # how many steps the trace covers
+    ranks: list[int] = field(default_factory=list)  # global ranks that trace ([]: all)
+    memory: bool = False  # also a CUDA memory snapshot of the same steps (ignored on CPU)
+    shapes: bool = False  # record operator input shapes (larger traces)
+    stacks: bool = False  # record Python stacks of operators (much larger traces, slower steps)
+
+    def __post_init__(self) -> None:
+        check_at_least("profile", self, {"start": 1, "steps": 1})
+        wrong = [r for r in self.ranks if r < 0] or [r for r in set(self.ranks) if self.ranks.count(r) > 1]
+        if wrong:
+            raise ConfigError(f"profile.ranks {list(self.ranks)}: rank {wrong[0]} is negative or named twice; "
+                              "list global ranks once each, or [] for all")
 
 
 @dataclass(frozen=True)
@@ -262,6 +284,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, Preempted, check_sk
 from pretrain.runtime.preemption import PreemptionFlag, stop_watching, watch_preemption
 from pretrain.runtime.pictures import synthesizer_images
 from pretrain.runtime.metrics import MetricsLogger, peak_memory_bytes
+from pretrain.runtime.profiling import Profiler, span
+from pretrain.runtime.stragglers import RankSpread, StepClock
 from pretrain.model.sharding import is_tp_sharded
 from pretrain.distributed.parallel import ParallelDims
 
@@ -63,6 +65,7 @@ class StepResult:
     grad_norm: torch.Tensor | float  # global norm before clipping (over DP and TP)
     lr: float  # the learning rate this step used (the engine's)
     tokens: int  # input + target tokens of the step over all DP ranks (padded; from the shapes, no sync)
+    clock: StepClock  # this rank's data wait and time to the gradient reduction (pretrain.runtime.stragglers)
 
 
 def install_skip_guard(engine) -> bool:
@@ -116,35 +119,46 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
     saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised by the
     step's one collective (after the last backward)."""
+    clock = StepClock(dims.device)
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
     tokens, grad_norm = 0, None
     for micro in range(accumulation):
-        batch = next(batches)
+        waiting = time.perf_counter()
+        with span("data_wait"):
+            batch = next(batches)
+        clock.waited(waiting)
         tokens += batch["input_ids"].numel() + batch["labels"].numel()
-        loss = engine(**batch).loss
-        loss_sum += loss.detach().float()
-        engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
+        with span("forward"):
+            loss = engine(**batch).loss
+            loss_sum += loss.detach().float()
+        if micro == accumulation - 1:
+            clock.mark_ready()  # the gradient reduction below waits for the slowest rank
+        with span("backward"):
+            engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
         if micro == accumulation - 1:
             # the step's one collective of ours, over the world: [loss summed over DP ranks (TP ranks share it,
             # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal]
             share = float(dims.tp_rank == 0)
             preempted = float(preemption is not None and preemption.raised)
             flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted)])
-            dist.all_reduce(flags)
+            with span("loss_all_reduce"):
+                dist.all_reduce(flags)
             loss_sum, read_flags = flags[0], _to_host(flags)
             if getattr(engine.optimizer, "skip_guard", False):
                 grad_norm = grad_norm_over_tp(engine.module)  # the gradients are DP-reduced already
                 # the step's one device-to-host sync, only on the path whose optimizer does not check itself;
                 # the norm is non-finite when a gradient is, also where the loss is finite (a backward overflow)
                 engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
-        engine.step()
+        with span("optimizer_step"):
+            engine.step()
     # after the step's sync (the skip check: DeepSpeed's, or ours above) the flags are on the host already
     any_preempted = read_flags()[1] > 0
     applied = engine.was_step_applied()
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm() if applied else float("nan")
-    return StepResult(applied, any_preempted, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp)
+    return StepResult(applied, any_preempted, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp,
+                      clock)
 
 
 def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
@@ -173,7 +187,8 @@ def synthesizer_pictures(model, zero_stage: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class Meter:
-    """Collects applied steps and turns them into a metrics record every `every` steps (and at the last)."""
+    """Collects applied steps and turns them into a metrics record every `every` steps (and at the last), with the
+    spread of the ranks' step times (`pretrain.runtime.stragglers`: every rank takes part)."""
 
     every: int
     steps: int  # the run's train.steps (for the ETA)
@@ -181,8 +196,12 @@ class Meter:
     flops_per_step: float = 0.0  # model FLOPs of one step (0: MFU not reported)
     job_peak_flops: float = 0.0
     extra: Callable[[], dict[str, float]] = dict  # e.g. the mixture weights
+    straggler_factor: float = 1.2  # log.straggler_factor
     window: list[StepResult] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.spread = RankSpread(self.straggler_factor)
 
     def add(self, result: StepResult) -> None:
         self.window.append(result)
@@ -204,6 +223,7 @@ class Meter:
             "memory_gb": peak_memory_bytes(device) / 2**30,
             "tokens_seen": progress.tokens_seen,
             "skipped_steps": progress.skipped_steps,
+            **self.spread.gather(elapsed, [r.clock for r in self.window], device),
         }
         if self.flops_per_step and self.job_peak_flops:
             record["mfu"] = self.flops_per_step / step_time / self.job_peak_flops
@@ -245,11 +265,13 @@ def _exit_preempted(message: str) -> int:
 
 def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
-             evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None) -> int:
+             evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None,
+             profiler: Profiler | None = None) -> int:
     """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
     EXIT_PREEMPTED when one of `faults.PREEMPTION_SIGNALS` arrived on any rank: after a checkpoint, or with nothing
     to save before the first step. `pictures` (TensorBoard images) are drawn at the evaluation steps and at the last
-    step."""
+    step. `profiler` (`pretrain.runtime.profiling`, None when off) traces the steps it asks for, each with its
+    checkpoint, evaluation and metrics line."""
     install_skip_guard(engine)
     preemption = watch_preemption()
 
@@ -277,9 +299,11 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
             finish(progress.step, final, final, dict(progress.record or {}))
         except Preempted as e:
             return _exit_preempted(f"{e} of the resumed step {progress.step}: evaluated again on resume")
-        meter.start = time.perf_counter()  # the next line's step time leaves this evaluation out
+    meter.start = time.perf_counter()  # the first line's step time leaves out the setup (and an evaluation redone)
     steps_this_run = 0
     while progress.step < train.steps:
+        if profiler is not None:
+            profiler.before_step(progress.step + 1)
         result = train_step(engine, batches, accumulation, dims, preemption)
         progress.tokens_seen += result.tokens
         if result.applied:
@@ -296,7 +320,8 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         progress.record = dict(record) if record else None  # saved with the step: a resume rewrites a lost line
         saved = False
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
-            saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+            with span("checkpoint"):
+                saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
         if result.applied:
             try:
                 finish(progress.step, final, last, record)
@@ -304,6 +329,8 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
                 if not saved:
                     checkpoints.save(progress.step)
                 return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
+        if profiler is not None and (result.applied or preempted):
+            profiler.after_step(progress.step, last or preempted)  # a preempted run keeps the steps it traced
         if preempted:
             by = signal.Signals(preemption.received).name if preemption.raised else "a signal to another rank"
             return _exit_preempted(f"preempted by {by} at step {progress.step}: checkpoint saved")
