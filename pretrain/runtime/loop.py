@@ -63,6 +63,7 @@ class StepResult:
     grad_norm: torch.Tensor | float  # global norm before clipping (over DP and TP)
     lr: float  # the learning rate this step used (the engine's)
     tokens: int  # input + target tokens of the step over all DP ranks (padded; from the shapes, no sync)
+    writing: bool = False  # some rank's checkpoint writer was still writing at the step's collective
 
 
 def install_skip_guard(engine) -> bool:
@@ -112,10 +113,11 @@ def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
 
 
 def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims,
-               preemption: PreemptionFlag | None = None) -> StepResult:
+               preemption: PreemptionFlag | None = None, writing: bool = False) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
-    saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised by the
-    step's one collective (after the last backward)."""
+    saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised, and
+    whether any rank was still `writing` a checkpoint in the background, by the step's one collective (after the
+    last backward)."""
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
     tokens, grad_norm = 0, None
@@ -127,10 +129,11 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
         engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
         if micro == accumulation - 1:
             # the step's one collective of ours, over the world: [loss summed over DP ranks (TP ranks share it,
-            # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal]
+            # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal,
+            # ranks whose checkpoint writer is still writing]
             share = float(dims.tp_rank == 0)
             preempted = float(preemption is not None and preemption.raised)
-            flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted)])
+            flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted), loss_sum.new_full((), writing)])
             dist.all_reduce(flags)
             loss_sum, read_flags = flags[0], _to_host(flags)
             if getattr(engine.optimizer, "skip_guard", False):
@@ -140,11 +143,12 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
                 engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
         engine.step()
     # after the step's sync (the skip check: DeepSpeed's, or ours above) the flags are on the host already
-    any_preempted = read_flags()[1] > 0
+    host_flags = read_flags()
     applied = engine.was_step_applied()
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm() if applied else float("nan")
-    return StepResult(applied, any_preempted, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp)
+    return StepResult(applied, host_flags[1] > 0, loss_sum / (accumulation * dims.dp), grad_norm, lr,
+                      tokens * dims.dp, writing=host_flags[2] > 0)
 
 
 def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
@@ -252,6 +256,16 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
     step."""
     install_skip_guard(engine)
     preemption = watch_preemption()
+    try:
+        return _run_loop(engine, batches, accumulation, dims, train, progress, meter, checkpoints, metrics, evaluator,
+                         pictures, preemption)
+    finally:
+        checkpoints.close()  # a run ending on an error: its writer is done before the run lock is released
+
+
+def _run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
+              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
+              evaluator: Evaluator | None, pictures: Callable[[], dict] | None, preemption: PreemptionFlag) -> int:
 
     def finish(step: int, final: bool, last: bool, record: dict[str, float]) -> None:
         """After the step's checkpoint: its evaluation when due, pictures, its metrics line (none if `Preempted`)."""
@@ -280,7 +294,8 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         meter.start = time.perf_counter()  # the next line's step time leaves this evaluation out
     steps_this_run = 0
     while progress.step < train.steps:
-        result = train_step(engine, batches, accumulation, dims, preemption)
+        result = train_step(engine, batches, accumulation, dims, preemption, writing=checkpoints.writing)
+        checkpoints.poll(result.writing)  # the save in flight completes once no rank is writing it
         progress.tokens_seen += result.tokens
         if result.applied:
             progress.step += 1
@@ -297,12 +312,15 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         saved = False
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
             saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+        if record:
+            record.update(checkpoints.take_metrics())  # checkpoint_blocking_s, and checkpoint_s once one completed
         if result.applied:
             try:
                 finish(progress.step, final, last, record)
             except Preempted as e:  # during the evaluation: keep the step, evaluate it again on resume
                 if not saved:
                     checkpoints.save(progress.step)
+                checkpoints.finish()  # a save of this step in flight
                 return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
         if preempted:
             by = signal.Signals(preemption.received).name if preemption.raised else "a signal to another rank"
