@@ -13,7 +13,7 @@ the loop's side); `dcp.async_save` writes its own layout, which DeepSpeed's load
 releases the GIL; the measured cost is in docs/training.md ("Asynchronous saves").
 
 `PRETRAIN_TEST_HOLD_WRITER=DIR` (tests only) holds the writer of step N before its first write: it creates
-`DIR/held_step_N_rank_R` and waits until `DIR/release_step_N` exists, so a test can act while a save is in flight
+`DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists, so a test can act while a save is in flight
 without sleeping and hoping.
 """
 from __future__ import annotations
@@ -31,20 +31,34 @@ import torch
 HOLD = "PRETRAIN_TEST_HOLD_WRITER"
 
 
-def snapshot(obj: Any) -> Any:
+def snapshot(obj: Any, memo: dict | None = None) -> Any:
     """`obj` with every tensor copied to host memory (dicts, lists and tuples rebuilt, other objects shared: the
-    state dicts hold numbers, strings and configs besides tensors, none of which a step changes)."""
+    state dicts hold numbers, strings and configs besides tensors, none of which a step changes). What was shared
+    stays shared, as in `copy.deepcopy`: each storage is copied once and its tensors stay views of the copy
+    (DeepSpeed's weights are views of one flat buffer, which torch.save writes once), and an object met twice is
+    copied once (pickle writes it once): the files are the bytes a synchronous save writes (tested)."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
-        # a CUDA tensor goes to host memory here, a CPU one is copied: the step after this one changes it in place
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
+        storage = obj.untyped_storage()
+        key = ("storage", storage._cdata)  # torch.save's own key: storages may share a data pointer (empty ones)
+        if key not in memo:
+            # a CUDA storage goes to host memory, a CPU one is copied: the next step changes it in place
+            memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+        out = torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
+        out.requires_grad_(obj.requires_grad)  # pickled too (ZeRO's fp32 partitions are the optimizer's leaves)
+    elif isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the kind (OrderedDict, defaultdict)
         for k, v in obj.items():
-            out[k] = snapshot(v)
-        return out
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+            out[k] = snapshot(v, memo)
+    elif type(obj) in (list, tuple):
+        out = type(obj)(snapshot(v, memo) for v in obj)
+    else:
+        return obj
+    memo[id(obj)] = out
+    memo[("keep", id(obj))] = obj  # the id stays this object's while the memo lives
+    return out
 
 
 @contextlib.contextmanager
@@ -67,7 +81,7 @@ def _hold(step: int, rank: int) -> None:
     folder = os.environ.get(HOLD)
     if not folder:
         return
-    Path(folder, f"held_step_{step}_rank_{rank}").touch()
+    Path(folder, f"held_step_{step}_rank_{rank}").write_text(str(os.getpid()))  # the process to kill
     while not Path(folder, f"release_step_{step}").exists():
         time.sleep(0.05)  # a test's hold: it releases the writer after what it does meanwhile
 
