@@ -28,8 +28,8 @@ ASYNC = "checkpoint.async_save=true"
 
 def _train_each(rank: int, world: int, runs: list[tuple[str, list[str], str | None]]) -> list[int]:
     """Train each (run_dir, overrides, hold) in turn. With a hold folder (its `release_step_2` made by the test),
-    step 4's writer is held while rank 1 sends itself SIGTERM after step 5; step 6's collective carries it, and
-    only once that step has returned (the save of step 4 still in flight) is the writer released."""
+    step 4's writer is held (until every rank's loop waits for it: `_release_when_waited`) while rank 1 sends
+    itself SIGTERM after step 5; step 6's collective carries it."""
     from pretrain import train as train_module
     from pretrain.runtime import loop as loop_module
 
@@ -48,7 +48,6 @@ def _train_each(rank: int, world: int, runs: list[tuple[str, list[str], str | No
                 os.kill(os.getpid(), signal.SIGTERM)  # a real signal, caught by the loop's handler
             if result.preempted:
                 assert result.writing  # step 4's save is in flight
-                Path(hold, "release_step_4").touch()
             return result
 
         os.environ[HOLD], loop_module.train_step = hold, train_step
@@ -71,8 +70,25 @@ def runs(shards, tmp_path_factory) -> dict[str, Path]:
     base = [*COMMON, *data_overrides(shards)]
     plan = [(str(root / "sync"), base, None), (str(root / "async"), [*base, ASYNC], None),
             (str(root / "preempted"), [*base, ASYNC], str(hold)), (str(root / "preempted"), [*base, ASYNC], None)]
-    assert run_distributed(_train_each, 2, plan) == [[0, 0, EXIT_PREEMPTED, 0]] * 2
+    done = threading.Event()
+    _release_when_waited(hold, 4, done)
+    try:
+        assert run_distributed(_train_each, 2, plan) == [[0, 0, EXIT_PREEMPTED, 0]] * 2
+    finally:
+        done.set()
     return {name: root / name for name in ("sync", "async", "preempted")}
+
+
+def _release_when_waited(hold: Path, step: int, done: threading.Event) -> threading.Thread:
+    """Release the writers of `step` once the loop of every rank waits for them (or the run ended)."""
+    def release() -> None:
+        while not all((hold / f"waiting_step_{step}_rank_{r}").exists() for r in range(2)) and not done.is_set():
+            time.sleep(0.05)
+        (hold / f"release_step_{step}").touch()
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
 
 
 def _listed(checkpoint: Path) -> dict[str, dict]:
@@ -113,11 +129,14 @@ def test_sigterm_during_an_in_flight_save_completes_it_and_saves_its_own(runs):
     records = read_metrics(runs["preempted"])
     assert [r["step"] for r in records] == list(range(1, 9))
     assert losses(runs["preempted"]) == losses(runs["sync"])
-    # the SIGTERM run saved step 6 after completing the in-flight step 4 (keep=3 then kept 4, 6 and 8)
+    # the SIGTERM run saved step 6 after completing the in-flight step 4 (keep=3 then kept 4, 6 and 8): every
+    # file of each is listed, as in the synchronous run, with its size
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_4", "step_6", "step_8"]
     for step in (4, 6, 8):
-        assert all((checkpoints / f"step_{step}" / name).stat().st_size == entry["bytes"]
-                   for name, entry in _listed(checkpoints / f"step_{step}").items())
+        folder = checkpoints / f"step_{step}"
+        files = {str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file()} - {"complete.json"}
+        assert set(_listed(folder)) == files == set(_listed(runs["sync"] / "checkpoints" / f"step_{step}"))
+        assert all((folder / name).stat().st_size == entry["bytes"] for name, entry in _listed(folder).items())
     assert (checkpoints / "latest").read_text().strip() == "step_8"
 
 
@@ -134,13 +153,14 @@ def test_a_rank_killed_during_an_async_save_then_a_full_disk_resume_from_the_pre
     (hold / "release_step_2").touch()
     checkpoints = run / "checkpoints"
     argv = ["--config", TINY, f"run.dir={run}", *COMMON, *data_overrides(shards), ASYNC]
-    # rank 1 is killed (SIGKILL) while its writer of step 4 is held; then the writers are released
+    # rank 1 is killed (SIGKILL) while its writer of step 4 is held and rank 0's loop waits for its own (at the
+    # save of step 6: one save in flight at most); then the writers are released
     monkeypatch.setenv(HOLD, str(hold))
     results: list = []
     job = _launch_in_background(argv, results)
-    held = hold / "held_step_4_rank_1"
-    while not held.exists() or not held.read_text():
-        assert job.is_alive(), f"the job ended before its save of step 4 was in flight: {results}"
+    held, waiting = hold / "held_step_4_rank_1", hold / "waiting_step_4_rank_0"
+    while not waiting.exists() or not held.exists() or not held.read_text():
+        assert job.is_alive(), f"the job ended before its loop waited for the save of step 4: {results}"
         time.sleep(0.05)
     os.kill(int(held.read_text()), signal.SIGKILL)
     (hold / "release_step_4").touch()

@@ -13,8 +13,9 @@ the loop's side); `dcp.async_save` writes its own layout, which DeepSpeed's load
 releases the GIL; the measured cost is in docs/training.md ("Asynchronous saves").
 
 `PRETRAIN_TEST_HOLD_WRITER=DIR` (tests only) holds the writer of step N before its first write: it creates
-`DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists, so a test can act while a save is in flight
-without sleeping and hoping.
+`DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists; the loop, when it
+waits for a held writer, creates `DIR/waiting_step_N_rank_R`. So a test acts while a save is in flight, and
+knows where the loop is, without sleeping and hoping.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class BackgroundWriter:
     returned or raised. Not a daemon: an interpreter that is exiting waits for the files it is writing."""
 
     def __init__(self, write: Callable[[], dict[str, dict]], step: int, rank: int) -> None:
-        self.step, self.launched = step, time.perf_counter()
+        self.step, self.rank, self.launched = step, rank, time.perf_counter()
         self.listed: dict[str, dict] | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -113,4 +114,7 @@ class BackgroundWriter:
         return self._done.is_set()
 
     def join(self) -> None:
+        if not self.done and os.environ.get(HOLD):
+            # the test's sign that the loop waits for this writer (the next save, the end, a preemption)
+            Path(os.environ[HOLD], f"waiting_step_{self.step}_rank_{self.rank}").touch()
         self._thread.join()
