@@ -83,8 +83,9 @@ def _hold(step: int, rank: int) -> None:
     if not folder:
         return
     Path(folder, f"held_step_{step}_rank_{rank}").write_text(str(os.getpid()))  # the process to kill
-    while not Path(folder, f"release_step_{step}").exists():
-        time.sleep(0.05)  # a test's hold: it releases the writer after what it does meanwhile
+    # released by the test, or once the job's main thread has ended (a loop that never waited for its writer)
+    while not Path(folder, f"release_step_{step}").exists() and threading.main_thread().is_alive():
+        time.sleep(0.05)
 
 
 class BackgroundWriter:
