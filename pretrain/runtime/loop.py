@@ -3,8 +3,9 @@ in setup (data, model, evaluation); a step, a skipped step, a metrics line, a sa
 work the same in both, here.
 
 Each step: `train_step` (forward/backward of every micro batch, one optimizer step); then, in this order, the
-metrics record (`Meter`, kept in the checkpoint's progress), the checkpoint (`CheckpointManager.maybe_save`), the
-evaluation (`Evaluator`), so a failing evaluation never loses the step's checkpoint, and the metrics line; then the
+metrics record (`Meter`, kept in the checkpoint's progress), the checkpoint (`CheckpointManager.maybe_save`; with
+`checkpoint.async_save` a periodic one is written in the background and completes at the first step whose
+collective says no rank is still writing it, `CheckpointManager.poll`), the evaluation (`Evaluator`), so a failing evaluation never loses the step's checkpoint, and the metrics line; then the
 preemption signal (agreed by every rank) ends the run with EXIT_PREEMPTED after that checkpoint. A signal during
 an evaluation ends it between two batches (the step saved if it was not); one before the first step ends the run
 with nothing to save. A resumed step whose metrics line is missing (a kill after its checkpoint committed: during
