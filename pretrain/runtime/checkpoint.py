@@ -13,6 +13,10 @@ after every rank wrote, fsync'd and checksummed its files, it lists every file w
 fsync, rename, fsync the folder) after the marker, so a crash or a full disk during a save leaves `latest` on the
 previous complete checkpoint; it is a hint for people: the newest complete intact checkpoint is what a run
 continues from. The newest `checkpoint.keep` complete checkpoints are kept; the newest complete one never goes.
+With `checkpoint.async_save` the periodic saves stage the same files in host memory and a thread per rank writes
+them (`pretrain.runtime.checkpoint_writer`); the marker, `latest` and pruning wait until every rank's writer is
+done, agreed in a step's collective (`poll`) or at the next save or the run's end (`finish`); one is in flight
+at most, and pruning runs only when none is.
 
 Which checkpoint a run starts from (`find_resume`): its own newest complete intact checkpoint when there is one
 (so a requeued job continues where it stopped, whatever `checkpoint.resume` says), else `checkpoint.resume`
