@@ -38,17 +38,14 @@ def _crc32_rate(size: int = 256 << 20, chunk: int = 16 << 20) -> float:
     return size / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=256, help="model width (d_ff = 4x, 4 layers, 32128 ids)")
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--dir", type=Path, default=None)
-    args = parser.parse_args()
+def wide_engine(d: int):
+    """One process (gloo), configs/tiny.yaml widened to `d` (d_ff 4d, 4 layers, 32128 ids), fp32 Adam ZeRO 1,
+    after one step (Adam's moments exist: the optimizer shard has its full size): (cfg, dims, model, engine,
+    step), `step()` one more training step."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    d = args.d_model
     cfg = load_config(Config, "configs/tiny.yaml", [
         f"model.d_model={d}", f"model.d_ff={4 * d}", f"model.d_kv={d // 4}", "model.num_layers=4",
         "model.num_decoder_layers=4", "model.vocab_size=32128", "train.micro_batch=1", "train.global_batch=1"])
@@ -56,9 +53,23 @@ def main() -> None:
     model = build_model(cfg.model)
     engine = build_engine(model, cfg.train, cfg.zero, "fp32", 1)
     ids = torch.randint(2, 1000, (1, 16))
-    engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :4],
-                           labels=ids[:, 1:5]).loss)
-    engine.step()  # Adam's moments exist: the optimizer shard has its full size
+
+    def step() -> None:
+        engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :4],
+                               labels=ids[:, 1:5]).loss)
+        engine.step()
+
+    step()
+    return cfg, dims, model, engine, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d-model", type=int, default=256, help="model width (d_ff = 4x, 4 layers, 32128 ids)")
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    cfg, dims, model, engine, _ = wide_engine(args.d_model)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tokenizer = Path(tmp) / "spiece.model"
         tokenizer.write_bytes(os.urandom(800_000))  # the size of T5's 32k-piece spiece.model

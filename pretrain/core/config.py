@@ -224,6 +224,8 @@ class CheckpointConfig:
     every: int = 1000  # steps between checkpoints (0: only at the end)
     keep: int = 3  # newest checkpoints kept
     resume: str = "auto"  # without checkpoints of its own: auto (fresh), a checkpoint path, none (refused if any)
+    # (named async_save: `async` is a Python keyword, and so cannot be a dataclass field)
+    async_save: bool = False  # periodic saves copy the state to host memory and write it in the background
 
 
 @dataclass(frozen=True)

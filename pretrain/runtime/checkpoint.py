@@ -13,6 +13,10 @@ after every rank wrote, fsync'd and checksummed its files, it lists every file w
 fsync, rename, fsync the folder) after the marker, so a crash or a full disk during a save leaves `latest` on the
 previous complete checkpoint; it is a hint for people: the newest complete intact checkpoint is what a run
 continues from. The newest `checkpoint.keep` complete checkpoints are kept; the newest complete one never goes.
+With `checkpoint.async_save` the periodic saves stage the same files in host memory and a thread per rank writes
+them (`pretrain.runtime.checkpoint_writer`); the marker, `latest` and pruning wait until every rank's writer is
+done, agreed in a step's collective (`poll`) or at the next save or the run's end (`finish`); one is in flight
+at most, and pruning runs only when none is.
 
 Which checkpoint a run starts from (`find_resume`): its own newest complete intact checkpoint when there is one
 (so a requeued job continues where it stopped, whatever `checkpoint.resume` says), else `checkpoint.resume`
@@ -35,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,6 +55,7 @@ from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_inta
                                     describe, describe_shards, fsync_path, missing_parts, newest_intact, shard_change,
                                     step_of, tag_for, write_atomic, write_marker)
 from pretrain.distributed.parallel import ParallelDims
+from pretrain.runtime.checkpoint_writer import BackgroundWriter, snapshot, staging_saves
 from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
                                      writing)
 
@@ -300,25 +306,6 @@ def _precision_of(engine) -> str:
     return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
-@contextlib.contextmanager
-def _noting_writes(engine, written: list[Path]) -> Iterator[None]:
-    """Note the paths DeepSpeed saves to: it writes every state file through `engine.checkpoint_engine.save`."""
-    checkpoint_engine = engine.checkpoint_engine
-    save = checkpoint_engine.save
-
-    def save_and_note(state_dict, path) -> None:
-        # into a Python file: given a path, torch's own writer reports a full disk as "file write failed", no errno
-        with writing(path), open(path, "wb") as f:
-            save(state_dict, f)
-        written.append(Path(path))
-
-    checkpoint_engine.save = save_and_note
-    try:
-        yield
-    finally:
-        del checkpoint_engine.save  # the class's method again
-
-
 class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly; every rank calls `save` and `load`."""
 
@@ -327,19 +314,27 @@ class CheckpointManager:
         self.cfg, self.root, self.dims = cfg, root, dims
         self.engine, self.progress, self.data, self.inputs = engine, progress, data, inputs
         self.config_yaml, self.universal_info = config_yaml, universal_info
+        self._in_flight: tuple[Path, BackgroundWriter] | None = None  # the save being written in the background
+        self._timing: dict[str, float] = {}  # for the next metrics line (`take_metrics`)
 
     def holds(self, step: int) -> bool:
         """Whether this run's folder holds a checkpoint of `step` (a resume from another run's does not)."""
         return (self.root / tag_for(step)).is_dir()
 
     def maybe_save(self, step: int, *, last: bool, preempted: bool) -> bool:
-        """Save at the end of the run, on preemption, and every `checkpoint.every` steps."""
+        """Save at the end of the run and on preemption (at once: the job ends; a save in flight completes first),
+        and every `checkpoint.every` steps (in the background with `checkpoint.async_save`)."""
         if last or preempted or (self.cfg.every and step % self.cfg.every == 0):
-            self.save(step)
+            self.save(step, background=self.cfg.async_save and not (last or preempted))
             return True
         return False
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, background: bool = False) -> Path:
+        """Every rank. `background`: stage the state in host memory and return; a thread writes it, and the save
+        completes (complete.json, `latest`, pruning) at the first step after every rank's writer is done (`poll`),
+        or at the next save or the run's end (`finish`)."""
+        started = time.perf_counter()
+        self.finish()  # at most one save in flight: this one waits for it, and the wait counts as blocking
         tag = tag_for(step)
         path = self.root / tag
         if self.dims.rank == 0:
@@ -349,17 +344,77 @@ class CheckpointManager:
         dist.barrier()
         self._make_folder(path)
         with self._storage_failures(path):
+            staged = self._stage(path, copy=background)
+        if background:
+            self._in_flight = (path, BackgroundWriter(lambda: self._write(path, staged), step, self.dims.rank))
+            self._timing["checkpoint_blocking_s"] = time.perf_counter() - started
+            log.info("checkpoint %s: staged in %.2f s, writing in the background", path,
+                     self._timing["checkpoint_blocking_s"])
+            return path
+        with self._storage_failures(path):
             # checksummed by the rank that wrote them, while they are in its page cache: every rank in parallel
-            mine = describe(path, self._write(path))
-        # rank 0 gets every rank's list only once every rank's files are written and closed
-        lists: list[dict] | None = [{} for _ in range(self.dims.world)] if self.dims.rank == 0 else None
-        dist.gather_object(mine, lists, dst=0)
+            mine = self._write(path, staged)
+        self._complete(path, mine, started)
+        self._timing["checkpoint_blocking_s"] = time.perf_counter() - started
+        return path
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank's writer of the save in flight is still writing (the step's flags carry it)."""
+        return self._in_flight is not None and not self._in_flight[1].done
+
+    def poll(self, any_writing: bool) -> None:
+        """Every rank, after a step whose flags say whether any rank's writer was still writing: when none was,
+        the save in flight completes now (the same decision on every rank)."""
+        if self._in_flight is not None and not any_writing:
+            self.finish()
+
+    def finish(self) -> None:
+        """Every rank: wait for this rank's writer of the save in flight, if any, and complete the save; a write
+        the storage refused on any rank is a `StorageError` on every rank, and `latest` stays."""
+        if self._in_flight is None:
+            return
+        path, writer = self._in_flight
+        self._in_flight = None
+        writer.join()
+        mine: dict | tuple[int, str] | None = writer.listed
+        if writer.error is not None:
+            failure = storage_failure(writer.error)
+            if failure is None:
+                raise writer.error  # a bug: its traceback (the other ranks learn that this one failed first)
+            mine = (failure.errno, describe_storage_failure(failure))
+        self._complete(path, mine, writer.launched)
+
+    def close(self) -> None:
+        """Wait for the writer without completing its save (a run ending on an error): the run lock, released
+        after this, must not admit another job while files of this one are being written."""
+        if self._in_flight is not None:
+            self._in_flight[1].join()
+            self._in_flight = None
+
+    def take_metrics(self) -> dict[str, float]:
+        """`checkpoint_blocking_s` of the last save, and `checkpoint_s` (launch to complete on every rank) and
+        `checkpoint_bytes` (all ranks' files) of the last completed one, once, for the next metrics line."""
+        timing, self._timing = self._timing, {}
+        return timing
+
+    def _complete(self, path: Path, mine: dict[str, dict] | tuple[int, str], launched: float) -> None:
+        """Every rank, once every rank's files of `path` are written, fsync'd and listed (`mine`: this rank's list,
+        or the errno and the line of the write its storage refused): rank 0 gets every list (or every rank raises
+        the first failure), fsyncs the folders, writes complete.json, moves `latest` and prunes."""
+        outcomes: list[dict | tuple | None] = [None] * self.dims.world
+        dist.all_gather_object(outcomes, mine)
+        for rank, outcome in [(self.dims.rank, mine), *enumerate(outcomes)]:  # this rank's own failure first
+            if isinstance(outcome, tuple):
+                raise self._not_saved(path, *outcome, rank)
+        listed = {name: entry for found in outcomes for name, entry in found.items()}
         if self.dims.rank == 0:
             with self._storage_failures(path):
-                self._commit(path, {name: entry for found in lists for name, entry in found.items()})
+                self._commit(path, listed)
         dist.barrier()
-        log.info("checkpoint %s saved", path)
-        return path
+        self._timing.update(checkpoint_s=time.perf_counter() - launched,
+                            checkpoint_bytes=float(sum(e["bytes"] for e in listed.values())))
+        log.info("checkpoint %s saved (%.2f s)", path, self._timing["checkpoint_s"])
 
     def _make_folder(self, path: Path) -> None:
         """Every rank makes the step's folder, and all learn whether one could not (a full disk shows here first):
@@ -399,30 +454,45 @@ class CheckpointManager:
         return StorageError(f"rank {self.dims.rank}: checkpoint {path.name} not saved: {whose}{failure}; {newest}; "
                             f"once {STORAGE_ERRNOS[code]} (or with run.dir moved), run the same command again")
 
-    def _write(self, path: Path) -> list[Path]:
-        """This rank's files of the checkpoint: DeepSpeed's shards, the data position, the generators, and (rank 0)
-        the trainer state, config, inputs and the tokenizer; returns their paths."""
-        written: list[Path] = []
-        with _noting_writes(self.engine, written):
+    def _stage(self, path: Path, copy: bool) -> list[tuple[Path, Any]]:
+        """This rank's files of the checkpoint, as (path, content): DeepSpeed's shards (its save runs as always,
+        collectives included, its writes staged), the data position, the generators, and (rank 0) the trainer
+        state, config and inputs (text) and the tokenizer (the file to copy). `copy`: tensors copied to host
+        memory, for a writer that runs while training changes them."""
+        staged: list[tuple[Path, Any]] = []
+        with staging_saves(self.engine, staged, copy):
             self.engine.save_checkpoint(str(self.root), tag=path.name, save_latest=False,
                                         client_state={"universal_checkpoint_info": self.universal_info})
-        ours = [path / f"rng_rank{self.dims.rank}.pt"]
-        _save_torch(_rng_state(), ours[0])
+        own = snapshot if copy else (lambda state: state)
+        staged.append((path / f"rng_rank{self.dims.rank}.pt", own(_rng_state())))
         if self.data is not None and self.dims.tp_rank == 0:
-            ours.append(path / f"data_dp{self.dims.dp_rank}.pt")
-            _save_torch(self.data.state_dict(), ours[-1])
+            staged.append((path / f"data_dp{self.dims.dp_rank}.pt", own(self.data.state_dict())))
         if self.dims.rank == 0:
             # what DeepSpeed's files depend on besides the layout: a resume with another precision or ZeRO stage
             # goes through the universal checkpoint (prepare_resume)
             state = {**self.progress.state_dict(), "tp": self.dims.tp, "dp": self.dims.dp,
                      "precision": _precision_of(self.engine), "zero_stage": self.engine.zero_optimization_stage()}
-            for name, text in (("trainer_state.json", json.dumps(state, indent=1)), ("config.yaml", self.config_yaml),
-                               (INPUTS, json.dumps(self.inputs.record(), indent=1))):
-                with writing(path / name):
-                    write_atomic(path / name, text)
-            shutil.copyfile(self.inputs.tokenizer, path / TOKENIZER)  # fsync'd by the commit
-            ours += [path / name for name in ("trainer_state.json", "config.yaml", INPUTS, TOKENIZER)]
-        return [f for f in written if f.parent == path] + ours
+            staged += [(path / "trainer_state.json", json.dumps(state, indent=1)),
+                       (path / "config.yaml", self.config_yaml), (path / INPUTS, json.dumps(self.inputs.record(),
+                                                                                            indent=1)),
+                       (path / TOKENIZER, self.inputs.tokenizer)]
+        return staged
+
+    def _write(self, path: Path, staged: list[tuple[Path, Any]]) -> dict[str, dict]:
+        """Write and fsync the staged files (text atomically; a Path is a file to copy; else torch.save into a
+        Python file: given a path, torch's own writer reports a full disk as "file write failed", no errno); return
+        those in `path` with their sizes and checksums, read while they are in the page cache."""
+        for file, content in staged:
+            if isinstance(content, str):
+                with writing(file):
+                    write_atomic(file, content)
+            elif isinstance(content, Path):
+                with writing(file):
+                    shutil.copyfile(content, file)
+                    fsync_path(file)
+            else:
+                _save_torch(content, file)
+        return describe(path, [file for file, _ in staged if file.parent == path])
 
     def _commit(self, path: Path, listed: dict[str, dict]) -> None:
         """Rank 0, after every rank wrote and listed its files: fsync them, mark the folder complete with every

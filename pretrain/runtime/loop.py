@@ -3,8 +3,9 @@ in setup (data, model, evaluation); a step, a skipped step, a metrics line, a sa
 work the same in both, here.
 
 Each step: `train_step` (forward/backward of every micro batch, one optimizer step); then, in this order, the
-metrics record (`Meter`, kept in the checkpoint's progress), the checkpoint (`CheckpointManager.maybe_save`), the
-evaluation (`Evaluator`), so a failing evaluation never loses the step's checkpoint, and the metrics line; then the
+metrics record (`Meter`, kept in the checkpoint's progress), the checkpoint (`CheckpointManager.maybe_save`; with
+`checkpoint.async_save` a periodic one is written in the background and completes at the first step whose
+collective says no rank is still writing it, `CheckpointManager.poll`), the evaluation (`Evaluator`), so a failing evaluation never loses the step's checkpoint, and the metrics line; then the
 preemption signal (agreed by every rank) ends the run with EXIT_PREEMPTED after that checkpoint. A signal during
 an evaluation ends it between two batches (the step saved if it was not); one before the first step ends the run
 with nothing to save. A resumed step whose metrics line is missing (a kill after its checkpoint committed: during
@@ -66,6 +67,7 @@ class StepResult:
     lr: float  # the learning rate this step used (the engine's)
     tokens: int  # input + target tokens of the step over all DP ranks (padded; from the shapes, no sync)
     clock: StepClock  # this rank's data wait and time to the gradient reduction (pretrain.runtime.stragglers)
+    writing: bool = False  # some rank's checkpoint writer was still writing at the step's collective
 
 
 def install_skip_guard(engine) -> bool:
@@ -115,10 +117,11 @@ def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
 
 
 def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims,
-               preemption: PreemptionFlag | None = None) -> StepResult:
+               preemption: PreemptionFlag | None = None, writing: bool = False) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
-    saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised by the
-    step's one collective (after the last backward)."""
+    saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised, and
+    whether any rank was still `writing` a checkpoint in the background, by the step's one collective (after the
+    last backward)."""
     clock = StepClock(dims.device)
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
@@ -138,10 +141,11 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
             engine.backward(loss)  # at the last micro batch this also reduces the gradients over DP
         if micro == accumulation - 1:
             # the step's one collective of ours, over the world: [loss summed over DP ranks (TP ranks share it,
-            # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal]
+            # TP rank 0's counts; x 0 keeps inf and nan non-finite), ranks that received a preemption signal,
+            # ranks whose checkpoint writer is still writing]
             share = float(dims.tp_rank == 0)
             preempted = float(preemption is not None and preemption.raised)
-            flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted)])
+            flags = torch.stack([loss_sum * share, loss_sum.new_full((), preempted), loss_sum.new_full((), writing)])
             with span("loss_all_reduce"):
                 dist.all_reduce(flags)
             loss_sum, read_flags = flags[0], _to_host(flags)
@@ -153,12 +157,12 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
         with span("optimizer_step"):
             engine.step()
     # after the step's sync (the skip check: DeepSpeed's, or ours above) the flags are on the host already
-    any_preempted = read_flags()[1] > 0
+    host_flags = read_flags()
     applied = engine.was_step_applied()
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm() if applied else float("nan")
-    return StepResult(applied, any_preempted, loss_sum / (accumulation * dims.dp), grad_norm, lr, tokens * dims.dp,
-                      clock)
+    return StepResult(applied, host_flags[1] > 0, loss_sum / (accumulation * dims.dp), grad_norm, lr,
+                      tokens * dims.dp, clock, writing=host_flags[2] > 0)
 
 
 def mixture_metrics(model, zero_stage: int) -> dict[str, float]:
@@ -274,6 +278,17 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
     checkpoint, evaluation and metrics line."""
     install_skip_guard(engine)
     preemption = watch_preemption()
+    try:
+        return _run_loop(engine, batches, accumulation, dims, train, progress, meter, checkpoints, metrics, evaluator,
+                         pictures, preemption, profiler)
+    finally:
+        checkpoints.close()  # a run ending on an error: its writer is done before the run lock is released
+
+
+def _run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
+              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
+              evaluator: Evaluator | None, pictures: Callable[[], dict] | None, preemption: PreemptionFlag,
+              profiler: Profiler | None) -> int:
 
     def finish(step: int, final: bool, last: bool, record: dict[str, float]) -> None:
         """After the step's checkpoint: its evaluation when due, pictures, its metrics line (none if `Preempted`)."""
@@ -304,7 +319,8 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
     while progress.step < train.steps:
         if profiler is not None:
             profiler.before_step(progress.step + 1)
-        result = train_step(engine, batches, accumulation, dims, preemption)
+        result = train_step(engine, batches, accumulation, dims, preemption, writing=checkpoints.writing)
+        checkpoints.poll(result.writing)  # the save in flight completes once no rank is writing it
         progress.tokens_seen += result.tokens
         if result.applied:
             progress.step += 1
@@ -322,12 +338,15 @@ def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelD
         if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
             with span("checkpoint"):
                 saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+        if record:
+            record.update(checkpoints.take_metrics())  # checkpoint_blocking_s, and checkpoint_s once one completed
         if result.applied:
             try:
                 finish(progress.step, final, last, record)
             except Preempted as e:  # during the evaluation: keep the step, evaluate it again on resume
                 if not saved:
                     checkpoints.save(progress.step)
+                checkpoints.finish()  # a save of this step in flight
                 return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
         if profiler is not None and (result.applied or preempted):
             profiler.after_step(progress.step, last or preempted)  # a preempted run keeps the steps it traced

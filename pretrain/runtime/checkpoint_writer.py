@@ -1,0 +1,121 @@
+"""The background writer of asynchronous checkpoints (`checkpoint.async_save`): the state staged in host memory,
+written, fsync'd and checksummed by one thread per rank while training goes on.
+
+Why a thread of ours, not DeepSpeed 0.19's engines or torch's `dcp.async_save`: DeepSpeed's checkpoint engine is
+the one place its state dicts pass through (`engine.checkpoint_engine.save(state_dict, path)`), so the manager
+lets `engine.save_checkpoint` run as always (its collectives, its layout, its recovery scripts) with `save`
+replaced by a copy into host memory (`staging_saves`), and this thread writes the copies to the very files
+DeepSpeed would have written: universal conversion, export and evaluation read them like any other checkpoint.
+DeepSpeed's `DecoupledCheckpointEngine` writes through `FastCheckpointEngine`, which needs the `async_io` op
+(libaio, a JIT build) and sends each state dict through a multiprocessing queue (pickled: a second copy, on
+the loop's side); `dcp.async_save` writes its own layout, which DeepSpeed's loader, the universal converter and
+`pretrain.export` do not read. A thread shares the copies, and what it runs (file writes, fsync, zlib's crc32)
+releases the GIL; the measured cost is in docs/training.md ("Asynchronous saves").
+
+`PRETRAIN_TEST_HOLD_WRITER=DIR` (tests only) holds the writer of step N before its first write: it creates
+`DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists; the loop, when it
+waits for a held writer, creates `DIR/waiting_step_N_rank_R`. So a test acts while a save is in flight, and
+knows where the loop is, without sleeping and hoping.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+HOLD = "PRETRAIN_TEST_HOLD_WRITER"
+
+
+def snapshot(obj: Any, memo: dict | None = None) -> Any:
+    """`obj` with every tensor copied to host memory (dicts, lists and tuples rebuilt, other objects shared: the
+    state dicts hold numbers, strings and configs besides tensors, none of which a step changes). What was shared
+    stays shared, as in `copy.deepcopy`: each storage is copied once and its tensors stay views of the copy
+    (DeepSpeed's weights are views of one flat buffer, which torch.save writes once), and an object met twice is
+    copied once (pickle writes it once): the files are the bytes a synchronous save writes (tested)."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = ("storage", storage._cdata)  # torch.save's own key: storages may share a data pointer (empty ones)
+        if key not in memo:
+            # a CUDA storage goes to host memory, a CPU one is copied: the next step changes it in place
+            memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+        out = torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
+        out.requires_grad_(obj.requires_grad)  # pickled too (ZeRO's fp32 partitions are the optimizer's leaves)
+    elif isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the kind (OrderedDict, defaultdict)
+        for k, v in obj.items():
+            out[k] = snapshot(v, memo)
+    elif type(obj) in (list, tuple):
+        out = type(obj)(snapshot(v, memo) for v in obj)
+    else:
+        return obj
+    memo[id(obj)] = out
+    memo[("keep", id(obj))] = obj  # the id stays this object's while the memo lives
+    return out
+
+
+@contextlib.contextmanager
+def staging_saves(engine, staged: list[tuple[Path, Any]], copy: bool) -> Iterator[None]:
+    """Inside, DeepSpeed's saves put (path, state dict) into `staged` instead of writing; `copy`: a snapshot in
+    host memory (the background writer's), else the live state dict (written before the next step changes it)."""
+    checkpoint_engine = engine.checkpoint_engine
+
+    def stage(state_dict, path) -> None:
+        staged.append((Path(path), snapshot(state_dict) if copy else state_dict))
+
+    checkpoint_engine.save = stage
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
+
+
+def _hold(step: int, rank: int) -> None:
+    folder = os.environ.get(HOLD)
+    if not folder:
+        return
+    Path(folder, f"held_step_{step}_rank_{rank}").write_text(str(os.getpid()))  # the process to kill
+    # released by the test, or once the job's main thread has ended (a loop that never waited for its writer)
+    while not Path(folder, f"release_step_{step}").exists() and threading.main_thread().is_alive():
+        time.sleep(0.05)
+
+
+class BackgroundWriter:
+    """Runs `write()` (which returns {name: {"bytes", "crc32"}} of the files it wrote) in one thread; `done` once it
+    returned or raised. Not a daemon: an interpreter that is exiting waits for the files it is writing."""
+
+    def __init__(self, write: Callable[[], dict[str, dict]], step: int, rank: int) -> None:
+        self.step, self.rank, self.launched = step, rank, time.perf_counter()
+        self.listed: dict[str, dict] | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+        def run() -> None:
+            try:
+                _hold(step, rank)
+                self.listed = write()
+            except BaseException as e:  # handed to the loop's thread, which reports it (faults.run_with_exit_codes)
+                self.error = e
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-writer-step-{step}")
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def join(self) -> None:
+        if not self.done and os.environ.get(HOLD):
+            # the test's sign that the loop waits for this writer (the next save, the end, a preemption)
+            Path(os.environ[HOLD], f"waiting_step_{self.step}_rank_{self.rank}").touch()
+        self._thread.join()
