@@ -2,7 +2,8 @@
 peak of a real CPU fp32 forward + backward (torch.profiler's allocation events) for every mixer and
 recompute mode, and the logits term against its formula; model-state bytes equal to what bench.zero_memory
 measures on a real DeepSpeed engine at DP 2 for ZeRO 0-3 in fp32 and ZeRO 0-2 in bf16; the meta shard's
-shapes against the unsharded model; the command line's verdicts."""
+shapes against the unsharded model; the command line's verdicts; the checkpoint's bytes against a real DeepSpeed
+save's files, and the warning when saves take over 5% of wall time."""
 from __future__ import annotations
 
 import dataclasses

@@ -20,6 +20,7 @@ next save waits for it when it is still writing (at most one in flight).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pretrain.planning.memory import model_state_bytes
@@ -27,8 +28,9 @@ from pretrain.planning.memory import model_state_bytes
 FS_GBPS = 1.0  # GB/s of filesystem write per rank (flag --fs-gbps): see FS_GBPS_WHY
 FS_GBPS_WHY = ("a parallel filesystem (Lustre, GPFS, Weka) gives a client node ~5-10 GB/s, shared by its 8 ranks "
                "writing at once")
-HOST_COPY_GBPS = 10.0  # a rank's device-to-host copy into pageable memory (`.cpu()`, pretrain.runtime.checkpoint_writer):
-# PCIe 5 x16 moves ~25 GB/s pinned, about half of that into pageable memory, and a node's 8 ranks share its DRAM
+# a rank's device-to-host copy into pageable memory (`.cpu()`, pretrain.runtime.checkpoint_writer): PCIe 5 x16
+# moves ~25 GB/s into pinned memory, about half of that into pageable memory, and a node's 8 ranks share its DRAM
+HOST_COPY_GBPS = 10.0
 CRC32_GBPS = 3.0  # zlib's crc32 on one core, quiet (docs/training.md, "What checksums cost")
 RNG_BYTES = 17_000  # rng_rank{r}.pt: CPU (and CUDA) generators and megatron's tracker, torch.save'd (17,185 on CPU)
 DATA_BYTES = 4_000  # data_dp{r}.pt: the streams' positions and counts
@@ -90,10 +92,18 @@ class SaveEstimate:
         return self.blocking_s / (self.interval_s + self.blocking_s) if self.every else 0.0
 
     def every_for(self, share: float) -> int:
-        """A checkpoint.every whose saves block for at most `share` of wall time: the smallest for synchronous
-        saves; for asynchronous ones the blocking at this `every` (a write outlasting the interval included) is
-        spread over that many steps, which a longer interval only shortens."""
-        return -int(-self.blocking_s * (1 - share) // (share * self.step_s))
+        """The smallest checkpoint.every whose saves block for at most `share` of wall time."""
+        # blocking at this every, spread over enough steps, is under `share` (and blocking only falls as every grows:
+        # an asynchronous write outlasts a longer interval less); the share falls with every: bisect below that
+        high = max(1, -int(-self.blocking_s * (1 - share) // (share * self.step_s)))
+        low = 0  # share(low) > share, share(high) <= share
+        while high - low > 1:
+            mid = (low + high) // 2
+            if dataclasses.replace(self, every=mid).wall_share <= share:
+                high = mid
+            else:
+                low = mid
+        return high
 
 
 def estimate_save(ckpt: CheckpointEstimate, every: int, step_s: float, async_save: bool,
@@ -112,12 +122,13 @@ def describe_checkpoint(ckpt: CheckpointEstimate, save: SaveEstimate, dp: int, f
     if not save.every:
         lines.append("  checkpoint.every 0: saves only at the end of the run")
     elif save.async_save:
-        lines.append(f"  checkpoint.every {save.every} x step {save.step_s:.3f} s = {save.interval_s:.0f} s between "
-                     f"saves; async: blocks {save.blocking_s:.2f} s (host copy), write in the background "
-                     f"{save.write_s:.1f} s = {save.write_s / save.interval_s:.0%} of the interval; "
+        waits = "host copy" if save.blocking_s <= save.copy_s else "host copy + the last write's rest"
+        lines.append(f"  checkpoint.every {save.every} x step {save.step_s:.3f} s = {save.interval_s:.1f} s between "
+                     f"saves; async: blocks {save.blocking_s:.2f} s ({waits}), write in the background "
+                     f"{save.write_s:.1f} s = {save.write_s / save.interval_s:.1%} of the interval; "
                      f"{save.wall_share:.2%} of wall time blocked")
     else:
-        lines.append(f"  checkpoint.every {save.every} x step {save.step_s:.3f} s = {save.interval_s:.0f} s between "
+        lines.append(f"  checkpoint.every {save.every} x step {save.step_s:.3f} s = {save.interval_s:.1f} s between "
                      f"saves; sync: blocks {save.blocking_s:.1f} s, {save.wall_share:.2%} of wall time")
     return lines
 
@@ -130,4 +141,4 @@ def warning(save: SaveEstimate) -> str | None:
     if not save.async_save:
         fix += " or checkpoint.async_save=true"
     return (f"warning: checkpoint.every {save.every} spends {save.wall_share:.1%} of wall time saving "
-            f"({save.blocking_s:.1f} s blocked every {save.interval_s:.0f} s), over {WALL_SHARE_WARN:.0%}; {fix}")
+            f"({save.blocking_s:.1f} s blocked every {save.interval_s:.1f} s), over {WALL_SHARE_WARN:.0%}; {fix}")

@@ -7,7 +7,9 @@ It runs the trainer's own start-up checks (`check_job`: the parallel layout, the
 option; the trainer calls the same function), estimates the memory per GPU (pretrain.planning.memory: model states
 per ZeRO stage, activations traced on the meta device for the configured mixers, with and without
 recompute, buffers), the model FLOPs per step and the step's communication (pretrain.planning.comm: collectives,
-bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), and ends with a verdict: exit 0 and
+bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), the checkpoint's bytes per rank and save time at
+--fs-gbps with the share of wall time `checkpoint.every` spends saving (pretrain.planning.checkpoint; a warning
+line over 5%), and ends with a verdict: exit 0 and
 `fits: X of M GiB`, or exit 2 and one line naming what does not fit and the first setting to change.
 
 `train.micro_batch: auto` is resolved here as well: the largest micro batch that divides the per-rank batch
