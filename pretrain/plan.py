@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+from pretrain.planning.checkpoint import FS_GBPS, FS_GBPS_WHY
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS
 from pretrain.core.config import Config, UsageError, load_config
 from pretrain.planning.memory import GiB
@@ -28,19 +29,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"intra-node bandwidth per GPU in Gb/s (default {NVLINK_GBPS:.0f}: H100 NVLink 4)")
     parser.add_argument("--gpu-tflops", type=float, default=GPU_TFLOPS,
                         help=f"peak dense bf16 TFLOP/s of one GPU (default {GPU_TFLOPS:.0f}: H100 SXM)")
+    parser.add_argument("--fs-gbps", type=float, default=FS_GBPS,
+                        help=f"filesystem write bandwidth per rank in GB/s (bytes; every rank writes its part of a "
+                             f"checkpoint at once: aggregate = this x GPUs) (default {FS_GBPS:g}: {FS_GBPS_WHY})")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     memory = int(args.gpu_memory_gb * GiB)
     try:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise UsageError("--nodes and --gpus-per-node must be >= 1")
-        if min(args.link_gbps, args.nvlink_gbps, args.gpu_tflops) <= 0:
-            raise UsageError("--link-gbps, --nvlink-gbps and --gpu-tflops must be > 0")
+        if not min(args.link_gbps, args.nvlink_gbps, args.gpu_tflops, args.fs_gbps) > 0:  # also NaN
+            raise UsageError("--link-gbps, --nvlink-gbps, --gpu-tflops and --fs-gbps must be > 0")
         cfg = load_config(Config, args.config, args.overrides)
         layout = check_job(cfg, args.nodes * args.gpus_per_node, memory)
         est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cuda")
-        print(report(cfg, layout, est, memory, args.gpus_per_node, args.link_gbps, args.nvlink_gbps,
-                     args.gpu_tflops))
+        table, slow_saves = report(cfg, layout, est, memory, args.gpus_per_node, args.link_gbps, args.nvlink_gbps,
+                                   args.gpu_tflops, args.fs_gbps)
+        print(table)
+        if slow_saves:
+            print(f"pretrain.plan: {slow_saves}", file=sys.stderr)
         if est.total > memory:
             raise UsageError(_advice(cfg, layout, est, memory, "cuda"))
     except UsageError as e:

@@ -2,7 +2,8 @@
 peak of a real CPU fp32 forward + backward (torch.profiler's allocation events) for every mixer and
 recompute mode, and the logits term against its formula; model-state bytes equal to what bench.zero_memory
 measures on a real DeepSpeed engine at DP 2 for ZeRO 0-3 in fp32 and ZeRO 0-2 in bf16; the meta shard's
-shapes against the unsharded model; the command line's verdicts."""
+shapes against the unsharded model; the command line's verdicts; the checkpoint's bytes against a real DeepSpeed
+save's files, and the warning when saves take over 5% of wall time."""
 from __future__ import annotations
 
 import dataclasses
@@ -224,3 +225,85 @@ def test_paper_scale_study_passes_the_planner(capsys, nodes):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("python -m pretrain.study_plan: error: variant vanilla: does not fit")
+
+
+CHECKPOINT_LAYOUTS = [("bf16", 0), ("bf16", 2), ("fp32", 2)]
+
+
+def _saved_files(rank: int, world: int, root: str, tokenizer: str) -> dict[str, dict[str, int]]:
+    """A tiny real DeepSpeed engine (one process) saved by CheckpointManager.save after one step, at each of
+    CHECKPOINT_LAYOUTS: {layout: {file: bytes}} of what is on disk."""
+    from pathlib import Path
+
+    from pretrain.core.config import ParallelConfig, to_yaml
+    from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import universal_checkpoint_info
+    from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
+    from pretrain.runtime.engine import build_engine
+
+    dims = init_distributed(ParallelConfig(), seed=3)
+    found = {}
+    for precision, stage in CHECKPOINT_LAYOUTS:
+        cfg = load_config(Config, "configs/tiny.yaml", [f"precision={precision}", f"zero.stage={stage}",
+                                                         f"data.tokenizer={tokenizer}"])
+        model = build_model(cfg.model)
+        engine = build_engine(model, dataclasses.replace(cfg.train, micro_batch=2, global_batch=2), cfg.zero,
+                              precision, 1)
+        folder = Path(root) / f"{precision}_zero{stage}"
+        manager = CheckpointManager(cfg.checkpoint, folder, dims, engine=engine, progress=Progress(step=1), data=None,
+                                    inputs=RunInputs.of(tokenizer), config_yaml=to_yaml(cfg),
+                                    universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))
+        ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :6],
+                               labels=ids[:, 1:7]).loss)
+        engine.step()  # the optimizer's moments exist after the first step
+        path = manager.save(1)
+        found[f"{precision}_zero{stage}"] = {p.name: p.stat().st_size for p in path.iterdir()
+                                             if p.name != "complete.json"}
+    return found
+
+
+def test_checkpoint_bytes_match_a_real_deepspeed_save(tmp_path, tokenizer_model):
+    from pretrain.planning.planner import _estimate, plan_checkpoint
+
+    saved = run_distributed(_saved_files, 1, str(tmp_path), tokenizer_model)[0]
+    for precision, stage in CHECKPOINT_LAYOUTS:
+        files = saved[f"{precision}_zero{stage}"]
+        cfg = load_config(Config, "configs/tiny.yaml", [f"precision={precision}", f"zero.stage={stage}",
+                                                         f"data.tokenizer={tokenizer_model}"])
+        layout = check_job(cfg, world=1)
+        est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cpu")
+        ckpt = plan_checkpoint(cfg, layout, est)
+        # bf16 without ZeRO: the bf16 weights, the fp32 master, m and v in one file (14 bytes a parameter); with
+        # ZeRO the weights as trained (2 or 4 bytes) beside the optimizer's partition (12 bytes)
+        deepspeed = sum(size for name, size in files.items() if name.endswith("_states.pt"))
+        weight_bytes = {"bf16": 2, "fp32": 4}[precision]
+        assert deepspeed == pytest.approx(est.num_params * (weight_bytes + 12), rel=0.03), (precision, stage, files)
+        # the planner's bytes of the one rank, every file of the save, within 10% (the tiny model's files are
+        # 6 MB: the rest is the tokenizer copy, the generators and the text files)
+        assert ckpt.first_rank == ckpt.total
+        assert ckpt.first_rank == pytest.approx(sum(files.values()), rel=0.1), (precision, stage, ckpt, files)
+
+
+def test_a_checkpoint_that_takes_over_5_percent_of_wall_time_is_named_once(capsys):
+    import re
+
+    shape = ("--config", "configs/small.yaml", "--nodes", "1", "--gpus-per-node", "8")
+    code, out, err = _plan(capsys, *shape)  # as shipped: every 2000 steps of ~35 ms, 0.5% of wall time
+    assert code == 0 and err == "", err
+    line = re.search(r"sync: blocks ([\d.]+) s, ([\d.]+)% of wall time", out)
+    assert float(line.group(2)) < 5
+    code, out, err = _plan(capsys, *shape, "checkpoint.every=100")
+    assert code == 0 and out.strip().splitlines()[-1].startswith("fits: ")
+    assert err.count("\n") == 1, err
+    warned = re.fullmatch(r"pretrain.plan: warning: checkpoint.every 100 spends ([\d.]+)% of wall time saving "
+                          r"\(.*\), over 5%; set checkpoint.every=(\d+) or checkpoint.async_save=true\n", err)
+    assert warned and float(warned.group(1)) > 5, err
+    # the advice holds: at that every, and asynchronously at 100 (only the host copy blocks), no warning
+    for fix in (f"checkpoint.every={warned.group(2)}", "checkpoint.async_save=true"):
+        code, out, err = _plan(capsys, *shape, "checkpoint.every=100", fix)
+        assert code == 0 and err == "", (fix, err)
+    assert "async: blocks" in out and "write in the background" in out
+    # a slower filesystem: the save's write at 0.05 GB/s per rank makes the shipped cadence cross 5% too
+    code, out, err = _plan(capsys, *shape, "--fs-gbps", "0.05")
+    assert code == 0 and "warning: checkpoint.every 2000 spends" in err

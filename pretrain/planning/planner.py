@@ -7,7 +7,9 @@ It runs the trainer's own start-up checks (`check_job`: the parallel layout, the
 option; the trainer calls the same function), estimates the memory per GPU (pretrain.planning.memory: model states
 per ZeRO stage, activations traced on the meta device for the configured mixers, with and without
 recompute, buffers), the model FLOPs per step and the step's communication (pretrain.planning.comm: collectives,
-bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), and ends with a verdict: exit 0 and
+bytes, exposed or overlapped, at --link-gbps / --nvlink-gbps), the checkpoint's bytes per rank and save time at
+--fs-gbps with the share of wall time `checkpoint.every` spends saving (pretrain.planning.checkpoint; a warning
+line over 5%), and ends with a verdict: exit 0 and
 `fits: X of M GiB`, or exit 2 and one line naming what does not fit and the first setting to change.
 
 `train.micro_batch: auto` is resolved here as well: the largest micro batch that divides the per-rank batch
@@ -19,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.planning.checkpoint import (FS_GBPS, T5_TOKENIZER_BYTES, CheckpointEstimate, checkpoint_bytes,
+                                         describe_checkpoint, estimate_save, warning)
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.core.config import Config, UsageError
 from pretrain.data.span_corruption import input_and_target_lengths
@@ -186,9 +190,24 @@ def _data_line(cfg: Config, layout: Layout) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
+def plan_checkpoint(cfg: Config, layout: Layout, est: MemoryEstimate) -> CheckpointEstimate:
+    """The bytes a save of `cfg` at `layout` writes (per rank, in all)."""
+    tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    factored = 0
+    if cfg.train.optimizer == "adafactor":
+        from pretrain.planning.memory import _factored_elements, meta_model
+
+        factored = _factored_elements(meta_model(_resolved(cfg), layout.tp))
+    return checkpoint_bytes(est.num_params, cfg.precision, layout.zero_stage, layout.tp, layout.dp,
+                            cfg.train.optimizer, factored,
+                            tokenizer.stat().st_size if tokenizer and tokenizer.is_file() else T5_TOKENIZER_BYTES)
+
+
 def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_per_node: int = 8,
-           link_gbps: float = IB_GBPS, nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS) -> str:
-    """The planner's table: layout, memory per GPU (GiB), FLOPs, communication per step."""
+           link_gbps: float = IB_GBPS, nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS,
+           fs_gbps: float = FS_GBPS) -> tuple[str, str | None]:
+    """The planner's table: layout, memory per GPU (GiB), FLOPs, communication per step, the checkpoint; and a
+    warning line when saving takes more than 5% of wall time (else None)."""
     flops = cfg.train.global_batch * flops_per_sequence(_resolved(cfg).model, layout.input_length, layout.target_length)
     comm = estimate_comm(cfg, layout.tp, layout.dp, layout.micro_batch, layout.accumulation, layout.target_length,
                          est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops,
@@ -211,4 +230,6 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_p
         f"model FLOPs per step: {flops:.3e} ({flops / layout.world:.3e} per GPU)",
         *describe(comm, link_gbps, nvlink_gbps, gpu_tflops),
     ]
-    return "\n".join(lines)
+    ckpt = plan_checkpoint(cfg, layout, est)
+    save = estimate_save(ckpt, cfg.checkpoint.every, comm.step_s, cfg.checkpoint.async_save, fs_gbps)
+    return "\n".join(lines + describe_checkpoint(ckpt, save, layout.dp, fs_gbps)), warning(save)
