@@ -224,11 +224,11 @@ _BEFORE_SECOND_SAVE = """
 import os, sys
 from pretrain.runtime import checkpoint
 original, saves = checkpoint.CheckpointManager.save, [0]
-def save(self, step):
+def save(self, step, **kwargs):
     saves[0] += 1
     if saves[0] == 2 and os.environ["RANK"] == "0":
         FAULT
-    return original(self, step)
+    return original(self, step, **kwargs)
 checkpoint.CheckpointManager.save = save
 from pretrain.train import main
 sys.exit(main())
