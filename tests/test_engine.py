@@ -15,7 +15,7 @@ from pretrain.runtime.schedule import build_scheduler, lr_factor
 def test_batch_arithmetic_and_message():
     cfg = TrainConfig(micro_batch=4, global_batch=32)
     assert num_accumulation_steps(cfg, dp=2) == 4  # 4 micro x 4 accumulation x 2 DP = 32
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UsageError) as e:
         num_accumulation_steps(TrainConfig(micro_batch=4, global_batch=20), dp=2)
     msg = str(e.value)
     assert "train.global_batch (20)" in msg and "train.micro_batch (4)" in msg and "4 x 2 = 8" in msg

@@ -98,6 +98,16 @@ def test_finetuning_with_another_tokenizer_than_the_exports_is_one_line(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+
+def test_a_global_batch_that_does_not_split_is_one_line_in_finetuning(tmp_path, tokenizer_model):
+    # before: a ValueError traceback from runtime/engine.py and exit 1, where pretraining gave one line and exit 2
+    export, data = _export(tmp_path, tokenizer_model), _sst2(tmp_path, train=20, dev=5)
+    job = _start("pretrain.finetune", "--config", "configs/finetune/sst2.yaml", f"init={export}", f"data.dir={data}",
+                 f"run.dir={tmp_path / 'run'}", "train.micro_batch=4", "train.global_batch=6", "train.steps=2")
+    assert _one_line(job) == ("pretrain.finetune: error: train.global_batch (6) must equal train.micro_batch (4) x "
+                              "gradient accumulation x data-parallel size (1), i.e. a multiple of 4 x 1 = 4; use 4 or 8")
+    assert not (tmp_path / "run").exists()
+
 def _measured_sweep() -> dict[float, float]:
     """docs/transfer.md's table of `bench.finetune_recipe` on the tiny export: {train.lr: mean dev accuracy}."""
     text = (REPO / "docs" / "transfer.md").read_text()

@@ -25,13 +25,14 @@ OPTIMIZERS = ("adamw", "adafactor")
 
 
 def num_accumulation_steps(cfg: TrainConfig, dp: int) -> int:
-    """global batch = micro batch x accumulation x DP; a global batch that does not split is a user error."""
+    """global batch = micro batch x accumulation x DP; a global batch that does not split is a user error, one line
+    in pretraining and fine-tuning alike (both call this before building anything)."""
     if cfg.micro_batch < 1:
-        raise ValueError(f"train.micro_batch ({cfg.micro_batch}) must be >= 1")
+        raise UsageError(f"train.micro_batch ({cfg.micro_batch}) must be >= 1")
     per_pass = cfg.micro_batch * dp
     if cfg.global_batch < per_pass or cfg.global_batch % per_pass:
         lower = max(cfg.global_batch // per_pass, 1) * per_pass
-        raise ValueError(
+        raise UsageError(
             f"train.global_batch ({cfg.global_batch}) must equal train.micro_batch ({cfg.micro_batch}) x "
             f"gradient accumulation x data-parallel size ({dp}), i.e. a multiple of {cfg.micro_batch} x {dp} = "
             f"{per_pass}; use {lower} or {lower + per_pass}"
