@@ -8,7 +8,8 @@ config's lengths (data.input_length, its span-corruption targets) and T5's 32100
         [--dir DIR] [section.key=value ...]
 
 Saves of the two kinds alternate (both meet the same load), each after 3 steps; after an asynchronous save the
-ranks step until the step's collective says no writer is still writing (the loop's rule), and the save completes.
+ranks step while a writer is still writing on some rank as a step starts (the loop's rule), and then the save
+completes. Beside wall seconds, CPU seconds (this thread's, and the writer's), which a loaded machine skews less.
 Blocking: the slowest rank's, per save (the next step's collectives wait for it). Host memory added: the ranks'
 resident-memory growth across an asynchronous save's staging, summed, against the checkpoint's bytes. DIR
 (default: a temporary folder) should be on the filesystem the checkpoints go to.
@@ -72,8 +73,8 @@ def _any(flag: bool) -> bool:
 
 
 def _engine(cfg: Config, rank: int):
-    """(dims, model, engine, step): the config's model in its precision, ZeRO stage and optimizer, after one step (Adam's
-    moments exist: the optimizer files have their full size); `step()` one more, on 1 x (inputs + targets)."""
+    """(dims, model, engine, step): the config's model in its precision, ZeRO stage and optimizer, after one step
+    (Adam's moments exist: the optimizer files have their full size); `step()` one more, on 1 x (inputs + targets)."""
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     model = build_model(with_vocab(cfg.model, T5_IDS))
     engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp)
@@ -96,7 +97,8 @@ def _engine(cfg: Config, rank: int):
 def _measure(manager: CheckpointManager, step, saves: int) -> dict:
     """This rank's clocks: saves of each kind (an async one from its launch to its completion), steps idle and
     with a save in flight, resident memory added by staging, and the checkpoint's bytes."""
-    out = {"sync": [], "async": [], "async_whole": [], "idle": [], "in_flight": [], "added": [], "bytes": 0.0}
+    out = {"sync": [], "async": [], "async_whole": [], "durable": [], "idle": [], "in_flight": [], "added": [],
+           "bytes": 0.0}
     number = 0
     for _ in range(saves):
         for background in (False, True):  # alternated: both kinds meet the same load
@@ -109,15 +111,15 @@ def _measure(manager: CheckpointManager, step, saves: int) -> dict:
                 def save_in_background() -> None:
                     out["async"].append(Clock.of(lambda: manager.save(number, background=True)))
                     out["added"].append(_rss() - rss)
-                    while True:
-                        took = Clock.of(step)
-                        if not _any(manager.writing):
-                            break
-                        out["in_flight"].append(took)  # the writer worked through this step, on some rank
+                    while _any(manager.writing):  # a writer is still writing as the step starts, on some rank
+                        out["in_flight"].append(Clock.of(step))
                     manager.poll(False)
 
                 out["async_whole"].append(Clock.of(save_in_background))
-            out["bytes"] = manager.take_metrics()["checkpoint_bytes"]
+            metrics = manager.take_metrics()
+            out["bytes"] = metrics["checkpoint_bytes"]
+            if background:
+                out["durable"].append(metrics["checkpoint_s"])  # launch to durable on every rank
     return out
 
 
@@ -137,15 +139,18 @@ def _report(every: list[dict], header: str) -> str:
     idle_s, busy_s = _median(first["idle"]), _median(first["in_flight"])
     idle_cpu, busy_cpu = _median(first["idle"], "cpu"), _median(first["in_flight"], "cpu")
     added = statistics.median(sum(r["added"][i] for r in every) for i in range(saves))
+    lost = sum(c.wall - idle_s for c in first["in_flight"]) / saves  # what the writer cost the steps, per save
     return (f"{header}; checkpoint {first['bytes'] / 1e6:.0f} MB\n"
             f"  blocking per save (slowest rank, median of {saves}): sync {sync_s:.3f} s, async {async_s:.3f} s "
-            f"(ratio {async_s / sync_s:.2f})\n"
+            f"(ratio {async_s / sync_s:.2f}); async launch to durable {statistics.median(first['durable']):.2f} s\n"
             f"  rank 0 CPU per save: sync {sync_cpu:.2f} s; async {stage_cpu:.2f} s staging (ratio "
             f"{stage_cpu / sync_cpu:.2f}) + {writer_cpu:.2f} s in the writer\n"
             f"  step {idle_s:.3f} s idle, {busy_s:.3f} s with a save in flight ({len(first['in_flight'])} steps, "
             f"{busy_s / idle_s:.2f}x); rank 0 CPU per step {idle_cpu:.3f} s idle, {busy_cpu:.3f} s in flight\n"
             f"  host memory added by the staged copy: {added / 1e6:.0f} MB over {len(every)} rank(s), "
-            f"{added / first['bytes']:.2f}x the checkpoint's bytes")
+            f"{added / first['bytes']:.2f}x the checkpoint's bytes\n"
+            f"  net per save: async blocks {sync_s - async_s:.2f} s less, its steps in flight take {lost:.2f} s more "
+            f"({'faster' if sync_s - async_s > lost else 'slower'} by {abs(sync_s - async_s - lost):.2f} s)")
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: Path) -> None:
