@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pretrain.core.config import Config, load_config
-from pretrain.runtime.checkpoint_writer import HOLD
+from pretrain.runtime.checkpoint_writer import HOLD, HostBuffers, HostCopies, snapshot
 from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
@@ -138,6 +139,51 @@ def test_sigterm_during_an_in_flight_save_completes_it_and_saves_its_own(runs):
         assert set(_listed(folder)) == files == set(_listed(runs["sync"] / "checkpoints" / f"step_{step}"))
         assert all((folder / name).stat().st_size == entry["bytes"] for name, entry in _listed(folder).items())
     assert (checkpoints / "latest").read_text().strip() == "step_8"
+
+
+def test_a_save_reuses_the_host_buffers_of_the_one_before_once_its_writer_is_done():
+    """The pool of a CUDA save's pinned buffers (HostBuffers; its bookkeeping is the same in pageable memory):
+    a buffer is lent to one copy at a time, the next save gets the same buffers back once the writer gave them
+    back, and a size the last save did not ask for again is dropped."""
+    buffers = HostBuffers(pin=False)
+    sizes = [4096, 1024, 4096]  # two storages of one size: two buffers
+    first = [buffers.take(n) for n in sizes]
+    assert len({id(b) for b in first}) == 3 and [b.nbytes() for b in first] == sizes
+    buffers.trim()
+    buffers.give_back()  # the first save's writer is done
+    second = [buffers.take(n) for n in sizes]
+    assert [b.nbytes() for b in second] == sizes
+    assert {id(b) for b in second} == {id(b) for b in first}  # the same buffers, none allocated
+    buffers.trim()
+    buffers.give_back()
+    third = buffers.take(1024)  # a save with one storage of 1024 bytes
+    buffers.trim()  # the 4096-byte buffers go
+    buffers.give_back()
+    fresh = buffers.take(4096)
+    assert any(third is b for b in second) and all(fresh is not b for b in first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of a background save's copies")
+def test_cuda_copies_into_pinned_buffers_hold_the_state_as_saved():
+    """What the side stream copied is the state before the next update (which waits for the copy's event), the
+    same values as the plain `.cpu()`; the next save reuses the buffers."""
+    copies = HostCopies()
+    flat = torch.randn(3000, device="cuda")
+    state = {"flat": flat, "view": flat[1000:2000], "moment": torch.randn(500, device="cuda")}
+    expected = {k: v.cpu() for k, v in state.items()}
+    staged = snapshot(state, copies)
+    copied = copies.copied()
+    torch.cuda.current_stream().wait_event(copied)  # the loop's before_update
+    flat.add_(1.0)
+    copied.synchronize()  # the writer
+    assert all(torch.equal(staged[k], expected[k]) for k in state)
+    assert staged["view"].untyped_storage().data_ptr() == staged["flat"].untyped_storage().data_ptr()
+    assert staged["flat"].is_pinned()
+    copies.buffers.give_back()
+    again = snapshot(state, copies)
+    copies.copied().synchronize()
+    assert again["flat"].untyped_storage().data_ptr() == staged["flat"].untyped_storage().data_ptr()
+    assert torch.equal(again["flat"], flat.cpu())
 
 
 def _launch_in_background(argv: list[str], results: list, **kwargs) -> threading.Thread:

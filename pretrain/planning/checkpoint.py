@@ -28,8 +28,10 @@ from pretrain.planning.memory import model_state_bytes
 FS_GBPS = 1.0  # GB/s of filesystem write per rank (flag --fs-gbps): see FS_GBPS_WHY
 FS_GBPS_WHY = ("a parallel filesystem (Lustre, GPFS, Weka) gives a client node ~5-10 GB/s, shared by its 8 ranks "
                "writing at once")
-# a rank's device-to-host copy into pageable memory (`.cpu()`, pretrain.runtime.checkpoint_writer): PCIe 5 x16
-# moves ~25 GB/s into pinned memory, about half of that into pageable memory, and a node's 8 ranks share its DRAM
+# a rank's device-to-host copy, counted whole as blocking at the pageable rate: PCIe 5 x16 moves ~25 GB/s into
+# pinned memory, about half of that into pageable memory, and a node's 8 ranks share its DRAM. An upper bound for
+# an async save: its copies go into pinned buffers on a side stream (pretrain.runtime.checkpoint_writer) that only
+# the next optimizer step waits for; DeepSpeed's own copy of the weights (`.to("cpu")`) blocks
 HOST_COPY_GBPS = 10.0
 CRC32_GBPS = 3.0  # zlib's crc32 on one core, quiet (docs/training.md, "What checksums cost")
 RNG_BYTES = 17_000  # rng_rank{r}.pt: CPU (and CUDA) generators and megatron's tracker, torch.save'd (17,185 on CPU)

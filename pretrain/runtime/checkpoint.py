@@ -55,7 +55,7 @@ from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_inta
                                     describe, describe_shards, fsync_path, missing_parts, newest_intact, shard_change,
                                     step_of, tag_for, write_atomic, write_marker)
 from pretrain.distributed.parallel import ParallelDims
-from pretrain.runtime.checkpoint_writer import BackgroundWriter, snapshot, staging_saves
+from pretrain.runtime.checkpoint_writer import BackgroundWriter, HostCopies, snapshot, staging_saves
 from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
                                      writing)
 
@@ -315,6 +315,8 @@ class CheckpointManager:
         self.engine, self.progress, self.data, self.inputs = engine, progress, data, inputs
         self.config_yaml, self.universal_info = config_yaml, universal_info
         self._in_flight: tuple[Path, BackgroundWriter] | None = None  # the save being written in the background
+        self._host = HostCopies()  # where a background save's state is copied (CUDA: pinned buffers, kept)
+        self._copied: torch.cuda.Event | None = None  # those copies, until the next optimizer step waited for them
         self._timing: dict[str, float] = {}  # for the next metrics line (`take_metrics`)
 
     def holds(self, step: int) -> bool:
@@ -344,9 +346,16 @@ class CheckpointManager:
         dist.barrier()
         self._make_folder(path)
         with self._storage_failures(path):
-            staged = self._stage(path, copy=background)
+            staged = self._stage(path, self._host if background else None)
         if background:
-            self._in_flight = (path, BackgroundWriter(lambda: self._write(path, staged), step, self.dims.rank))
+            copied = self._copied = self._host.copied()
+
+            def write() -> dict[str, dict]:
+                if copied is not None:
+                    copied.synchronize()  # the device-to-host copies are done (this thread waits, not the loop)
+                return self._write(path, staged)
+
+            self._in_flight = (path, BackgroundWriter(write, step, self.dims.rank))
             self._timing["checkpoint_blocking_s"] = time.perf_counter() - started
             log.info("checkpoint %s: staged in %.2f s, writing in the background", path,
                      self._timing["checkpoint_blocking_s"])
@@ -357,6 +366,13 @@ class CheckpointManager:
         self._complete(path, mine, started)
         self._timing["checkpoint_blocking_s"] = time.perf_counter() - started
         return path
+
+    def before_update(self) -> None:
+        """The loop, before each optimizer step: on CUDA, the step's kernels wait for a background save's copies of
+        what the step changes (on the device: the host goes on); nothing otherwise."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+            self._copied = None
 
     @property
     def writing(self) -> bool:
@@ -377,6 +393,7 @@ class CheckpointManager:
         path, writer = self._in_flight
         self._in_flight = None
         writer.join()
+        self._host.buffers.give_back()
         mine: dict | tuple[int, str] | None = writer.listed
         if writer.error is not None:
             failure = storage_failure(writer.error)
@@ -390,6 +407,7 @@ class CheckpointManager:
         after this, must not admit another job while files of this one are being written."""
         if self._in_flight is not None:
             self._in_flight[1].join()
+            self._host.buffers.give_back()
             self._in_flight = None
 
     def take_metrics(self) -> dict[str, float]:
@@ -454,16 +472,16 @@ class CheckpointManager:
         return StorageError(f"rank {self.dims.rank}: checkpoint {path.name} not saved: {whose}{failure}; {newest}; "
                             f"once {STORAGE_ERRNOS[code]} (or with run.dir moved), run the same command again")
 
-    def _stage(self, path: Path, copy: bool) -> list[tuple[Path, Any]]:
+    def _stage(self, path: Path, copies: HostCopies | None) -> list[tuple[Path, Any]]:
         """This rank's files of the checkpoint, as (path, content): DeepSpeed's shards (its save runs as always,
         collectives included, its writes staged), the data position, the generators, and (rank 0) the trainer
-        state, config and inputs (text) and the tokenizer (the file to copy). `copy`: tensors copied to host
-        memory, for a writer that runs while training changes them."""
+        state, config and inputs (text) and the tokenizer (the file to copy). `copies`: tensors copied to host
+        memory there, for a writer that runs while training changes them."""
         staged: list[tuple[Path, Any]] = []
-        with staging_saves(self.engine, staged, copy):
+        with staging_saves(self.engine, staged, copies):
             self.engine.save_checkpoint(str(self.root), tag=path.name, save_latest=False,
                                         client_state={"universal_checkpoint_info": self.universal_info})
-        own = snapshot if copy else (lambda state: state)
+        own = (lambda state: state) if copies is None else (lambda state: snapshot(state, copies))
         staged.append((path / f"rng_rank{self.dims.rank}.pt", own(_rng_state())))
         if self.data is not None and self.dims.tp_rank == 0:
             staged.append((path / f"data_dp{self.dims.dp_rank}.pt", own(self.data.state_dict())))

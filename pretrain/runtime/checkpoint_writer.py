@@ -12,6 +12,11 @@ the loop's side); `dcp.async_save` writes its own layout, which DeepSpeed's load
 `pretrain.export` do not read. A thread shares the copies, and what it runs (file writes, fsync, zlib's crc32)
 releases the GIL; the measured cost is in docs/training.md ("Asynchronous saves").
 
+On CUDA the copies go into pinned host buffers kept from one save to the next (`HostBuffers`), made on a side
+stream behind the work the loop queued before the save (`HostCopies`): the loop goes on at once and waits for
+the copies' event only before its next optimizer step changes what they read (`train_step(before_update=)`); the
+writer waits for it before its first write. On the CPU a storage is cloned, as it always was.
+
 `PRETRAIN_TEST_HOLD_WRITER=DIR` (tests only) holds the writer of step N before its first write: it creates
 `DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists; the loop, when it
 waits for a held writer, creates `DIR/waiting_step_N_rank_R`. So a test acts while a save is in flight, and
@@ -32,7 +37,68 @@ import torch
 HOLD = "PRETRAIN_TEST_HOLD_WRITER"
 
 
-def snapshot(obj: Any, memo: dict | None = None) -> Any:
+class HostBuffers:
+    """Host storages lent to the copies of one save, given back once its writer is done, and lent again to the
+    next save's copies of the same size: pinned memory is slow to allocate (cudaHostAlloc maps and locks every
+    page), and the state's storages keep their sizes from save to save (flat ZeRO partitions, the same weights).
+    Buffers the last save did not ask for again are dropped (`trim`): the pool never outgrows one save."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: dict[int, list[torch.UntypedStorage]] = {}  # by bytes
+        self._lent: list[torch.UntypedStorage] = []
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        free = self._free.get(nbytes)
+        buffer = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).untyped_storage()
+        self._lent.append(buffer)
+        return buffer
+
+    def trim(self) -> None:
+        """A save's copies are all made: what it did not take again goes."""
+        self._free = {}
+
+    def give_back(self) -> None:
+        """The writer that read the lent buffers is done: they are free for the next save."""
+        for buffer in self._lent:
+            self._free.setdefault(buffer.nbytes(), []).append(buffer)
+        self._lent = []
+
+
+class HostCopies:
+    """Where `snapshot` copies a storage to: a CPU one is cloned; a CUDA one goes into a pinned buffer of
+    `buffers`, copied on a side stream after everything queued before it on the current stream (the state's last
+    update, DeepSpeed's own copies), the loop not waiting. `copied()` ends a save's copies: the event the loop's
+    next optimizer step and the writer wait for, or None when there was nothing to wait for (CPU)."""
+
+    def __init__(self) -> None:
+        self.buffers = HostBuffers(pin=True)  # allocates only for a CUDA storage
+        self._stream: torch.cuda.Stream | None = None
+        self._queued = False  # a copy is on the side stream since the last `copied()`
+
+    def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        if storage.device.type != "cuda":
+            return storage.clone()  # the next step changes it in place
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(storage.device)
+        self._stream.wait_stream(torch.cuda.current_stream(storage.device))
+        host = self.buffers.take(storage.nbytes())
+        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        with torch.cuda.stream(self._stream):
+            torch.empty(0, dtype=torch.uint8).set_(host).copy_(source, non_blocking=True)
+        source.record_stream(self._stream)  # a temporary's memory is not reused before the copy has read it
+        self._queued = True
+        return host
+
+    def copied(self) -> torch.cuda.Event | None:
+        self.buffers.trim()
+        if not self._queued:
+            return None
+        self._queued = False
+        return self._stream.record_event()
+
+
+def snapshot(obj: Any, copies: HostCopies, memo: dict | None = None) -> Any:
     """`obj` with every tensor copied to host memory (dicts, lists and tuples rebuilt, other objects shared: the
     state dicts hold numbers, strings and configs besides tensors, none of which a step changes). What was shared
     stays shared, as in `copy.deepcopy`: each storage is copied once and its tensors stay views of the copy
@@ -45,16 +111,15 @@ def snapshot(obj: Any, memo: dict | None = None) -> Any:
         storage = obj.untyped_storage()
         key = ("storage", storage._cdata)  # torch.save's own key: storages may share a data pointer (empty ones)
         if key not in memo:
-            # a CUDA storage goes to host memory, a CPU one is copied: the next step changes it in place
-            memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+            memo[key] = copies.copy(storage)
         out = torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
         out.requires_grad_(obj.requires_grad)  # pickled too (ZeRO's fp32 partitions are the optimizer's leaves)
     elif isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the kind (OrderedDict, defaultdict)
         for k, v in obj.items():
-            out[k] = snapshot(v, memo)
+            out[k] = snapshot(v, copies, memo)
     elif type(obj) in (list, tuple):
-        out = type(obj)(snapshot(v, memo) for v in obj)
+        out = type(obj)(snapshot(v, copies, memo) for v in obj)
     else:
         return obj
     memo[id(obj)] = out
@@ -63,13 +128,13 @@ def snapshot(obj: Any, memo: dict | None = None) -> Any:
 
 
 @contextlib.contextmanager
-def staging_saves(engine, staged: list[tuple[Path, Any]], copy: bool) -> Iterator[None]:
-    """Inside, DeepSpeed's saves put (path, state dict) into `staged` instead of writing; `copy`: a snapshot in
-    host memory (the background writer's), else the live state dict (written before the next step changes it)."""
+def staging_saves(engine, staged: list[tuple[Path, Any]], copies: HostCopies | None) -> Iterator[None]:
+    """Inside, DeepSpeed's saves put (path, state dict) into `staged` instead of writing; `copies`: a snapshot in
+    host memory (the background writer's), else (None) the live state dict (written before the next step)."""
     checkpoint_engine = engine.checkpoint_engine
 
     def stage(state_dict, path) -> None:
-        staged.append((Path(path), snapshot(state_dict) if copy else state_dict))
+        staged.append((Path(path), state_dict if copies is None else snapshot(state_dict, copies)))
 
     checkpoint_engine.save = stage
     try:

@@ -117,11 +117,12 @@ def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
 
 
 def train_step(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims,
-               preemption: PreemptionFlag | None = None, writing: bool = False) -> StepResult:
+               preemption: PreemptionFlag | None = None, writing: bool = False,
+               before_update: Callable[[], None] = lambda: None) -> StepResult:
     """One optimizer step over `accumulation` micro batches (the engine applies it, or skips it when some rank
     saw a non-finite loss or gradient). The result says whether any rank's `preemption` flag was raised, and
     whether any rank was still `writing` a checkpoint in the background, by the step's one collective (after the
-    last backward)."""
+    last backward). `before_update` runs just before the optimizer step (CheckpointManager.before_update)."""
     clock = StepClock(dims.device)
     lr = engine.get_lr()[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=dims.device)
@@ -155,6 +156,7 @@ def train_step(engine, batches: Iterator[dict], accumulation: int, dims: Paralle
                 # the norm is non-finite when a gradient is, also where the loss is finite (a backward overflow)
                 engine.optimizer.overflow = not bool(torch.isfinite(loss_sum + grad_norm))
         with span("optimizer_step"):
+            before_update()  # CUDA: a background checkpoint's copies read what this step changes
             engine.step()
     # after the step's sync (the skip check: DeepSpeed's, or ours above) the flags are on the host already
     host_flags = read_flags()
@@ -319,7 +321,8 @@ def _run_loop(engine, batches: Iterator[dict], accumulation: int, dims: Parallel
     while progress.step < train.steps:
         if profiler is not None:
             profiler.before_step(progress.step + 1)
-        result = train_step(engine, batches, accumulation, dims, preemption, writing=checkpoints.writing)
+        result = train_step(engine, batches, accumulation, dims, preemption, writing=checkpoints.writing,
+                            before_update=checkpoints.before_update)
         checkpoints.poll(result.writing)  # the save in flight completes once no rank is writing it
         progress.tokens_seen += result.tokens
         if result.applied:
