@@ -9,8 +9,9 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import SelfAttention, parse_mixers
-from pretrain.model.synthesizer import build_synthesizer, factor_pair
+from pretrain.model.attention import SelfAttention
+from pretrain.model.mixers import build_synthesizer, parse_mixers
+from pretrain.model.mixers.factorized_dense import factor_pair
 from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,

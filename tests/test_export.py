@@ -19,7 +19,7 @@ from pretrain.transfer.exporting import CheckpointError, export, load_pretrained
 from pretrain.runtime.faults import EXIT_USAGE
 from pretrain.core.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
-from pretrain.model.attention import MIXERS
+from pretrain.model.mixers import MIXERS
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters

@@ -1,4 +1,4 @@
-"""Attention for the T5 stacks: the mixer spec ("random+vanilla"), T5's relative position bias, the
+"""Attention for the T5 stacks: T5's relative position bias, the
 self-attention layer that mixes dot-product and Synthesizer logits, and dot-product cross-attention.
 
 Every mixer yields per-head logits [b, heads/tp, n, m]; a mixture sums them weighted by
@@ -27,28 +27,13 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                            reduce_from_tensor_model_parallel_region)
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
-from pretrain.model.synthesizer import build_synthesizer, head_parameter
-
-MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
-
-
-def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
-    """'random+vanilla' -> ('random', 'vanilla'); a bad name is a one-line ValueError listing valid names."""
-    names = tuple(spec.split("+"))
-    for name in names:
-        if name not in MIXERS:
-            raise UsageError(
-                f"{key} '{spec}': unknown mixer '{name}'; valid: {', '.join(MIXERS)}, or a mixture 'a+b[+c]'"
-            )
-    if len(set(names)) != len(names):
-        raise UsageError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
-    return names
+from pretrain.model.layers import RowLinear, head_parameter
+from pretrain.model.mixers import build_synthesizer
 
 
 def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
@@ -105,20 +90,6 @@ class RelativePositionBias(nn.Module):
         q = torch.arange(start, start + n, device=self.weight.device)[:, None]
         k = torch.arange(m, device=self.weight.device)[None, :]
         return self.weight[:, self._bucket(k - q)][None]  # [1, heads/tp, n, m]
-
-
-class RowLinear(RowParallelLinear):
-    """megatron's RowParallelLinear (input split over TP along its last dimension, output all-reduced), bias-free,
-    returning the output alone. megatron's own forward hands the matmul `tp_group=None`, which megatron answers
-    with a DeprecationWarning through warnings.warn at every call on rank 0: a torch.compile graph break at each
-    output projection. Here the matmul gets the layer's group; the computation is the same."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._forward_impl(input=x, weight=self.weight, bias=None,
-                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
-                                 grad_output_buffer=None)
-        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)  # fwd: all-reduce over TP
 
 
 def _split_heads(fused: torch.Tensor, heads: int, parts: int, d_kv: int) -> tuple[torch.Tensor, ...]:

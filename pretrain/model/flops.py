@@ -7,8 +7,8 @@ produce them for the needed [n, m] slice.
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import parse_mixers
-from pretrain.model.synthesizer import factor_pair
+from pretrain.model.mixers import parse_mixers
+from pretrain.model.mixers.factorized_dense import factor_pair
 
 
 def _self_attention(cfg: ModelConfig, spec: str, n: int) -> float:

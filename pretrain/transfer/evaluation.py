@@ -25,7 +25,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model import T5Model, generate_greedy
-from pretrain.model.attention import parse_mixers
+from pretrain.model.mixers import parse_mixers
 from pretrain.model.generation import to_host
 from pretrain.core.progress import progress
 from pretrain.tasks import Example, Task

@@ -8,7 +8,7 @@ Synthesizer one (for a folder it looks for a causal LM in auto_map)."""
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import parse_mixers
+from pretrain.model.mixers import parse_mixers
 from pretrain.model.hf_convert import is_hf_t5
 
 PIPELINE_TAG = "text-generation"
