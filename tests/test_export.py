@@ -398,7 +398,7 @@ def test_an_export_older_than_a_model_key_loads_with_the_keys_old_behaviour(tmp_
 def _in_a_canonical_order(spec: str) -> bool:
     """Whether the mixers of `spec` are in alphabetical or in MIXERS order (or the reverse of one)."""
     names = spec.split("+")
-    orders = (sorted(names), sorted(names, key=MIXERS.index))
+    orders = (sorted(names), sorted(names, key=list(MIXERS).index))
     return any(names in (order, order[::-1]) for order in orders)
 
 

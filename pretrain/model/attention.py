@@ -33,7 +33,7 @@ from torch import nn
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
 from pretrain.model.layers import RowLinear, head_parameter
-from pretrain.model.mixers import build_synthesizer
+from pretrain.model.mixers import MIXERS
 
 
 def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
@@ -154,7 +154,7 @@ class SelfAttention(nn.Module):
         for name in mixers:
             if name != "vanilla":
                 with init_scope(f"synth.{name}"):
-                    self.synth[name] = build_synthesizer(name, cfg, mp_config, tp_rank, tp)
+                    self.synth[name] = MIXERS[name].build(cfg, mp_config, tp_rank, tp)
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]

@@ -1,6 +1,8 @@
-"""The attention mixers: `vanilla` (dot-product, in `pretrain.model.attention`) and the Synthesizer logit
-generators (Tay et al. 2021, arXiv 2005.00743), per-head logits over key positions that do not come from
-query-key dot products; the mixer names and their parsing ("random+vanilla").
+"""The registry of attention mixers, `MIXERS` (name -> `Mixer`), and the parsing of mixer specs
+("random+vanilla"). Each mixer is one file here declaring its `Mixer` (mixer.py): `vanilla` (dot-product, whose
+logits are `pretrain.model.attention.SelfAttention`'s own) and the Synthesizer logit generators (Tay et al. 2021,
+arXiv 2005.00743), per-head logits over key positions that do not come from query-key dot products.
+docs/model.md, "Adding a mixer", says what a new one takes.
 
 Every generator builds logits for the maximum length N (`model.max_length`) and slices them to the rows
 of the current query positions and the first m key columns, as the Mesh TensorFlow reference does. All
@@ -12,15 +14,17 @@ docs/model.md, "Initial scale", has both and the initial logit std they give.
 """
 from __future__ import annotations
 
-from torch import nn
+from pretrain.core.config import UsageError
+from pretrain.model.mixers.dense import DENSE
+from pretrain.model.mixers.factorized_dense import FACTORIZED_DENSE
+from pretrain.model.mixers.factorized_random import FACTORIZED_RANDOM
+from pretrain.model.mixers.mixer import Mixer
+from pretrain.model.mixers.random import FIXED_RANDOM, RANDOM
+from pretrain.model.mixers.vanilla import VANILLA
 
-from pretrain.core.config import ModelConfig, UsageError
-from pretrain.model.mixers.dense import Dense
-from pretrain.model.mixers.factorized_dense import FactorizedDense
-from pretrain.model.mixers.factorized_random import FactorizedRandom
-from pretrain.model.mixers.random import Random
-
-MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
+# the order error messages, model cards and benchmarks list them in
+MIXERS: dict[str, Mixer] = {m.name: m for m in (VANILLA, DENSE, RANDOM, FIXED_RANDOM, FACTORIZED_DENSE,
+                                                FACTORIZED_RANDOM)}
 
 
 def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
@@ -34,15 +38,3 @@ def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise UsageError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
     return names
-
-
-def build_synthesizer(name: str, cfg: ModelConfig, mp_config, tp_rank: int, tp: int) -> nn.Module:
-    if name == "dense":
-        return Dense(cfg, mp_config, tp_rank, tp)
-    if name == "factorized_dense":
-        return FactorizedDense(cfg, mp_config, tp_rank, tp)
-    if name in ("random", "fixed_random"):
-        return Random(cfg, tp_rank, tp, trainable=name == "random")
-    if name == "factorized_random":
-        return FactorizedRandom(cfg, tp_rank, tp)
-    raise AssertionError(f"not a synthesizer: {name}")

@@ -10,6 +10,7 @@ from torch import nn
 from pretrain.core.config import ModelConfig
 from pretrain.model.layers import head_parameter
 from pretrain.model.mixers.mesh_tf import mesh_tf_dense_kernel
+from pretrain.model.mixers.mixer import Mixer
 
 
 class HiddenProjection(nn.Module):
@@ -54,3 +55,12 @@ class Dense(nn.Module):
         # only the first m of the N outputs are ever used: slicing W2 first saves (N - m) / N of the GEMM
         logits = torch.einsum("bnhd,hmd->bhnm", hid, self.w2[:, :m])
         return logits + self.b2[None, :, None, :m]  # [b, heads/tp, n, m]
+
+
+def _flops(cfg: ModelConfig, n: int) -> int:
+    inner = cfg.num_heads * cfg.d_kv
+    return 2 * n * cfg.d_model * inner + 2 * n * inner * n  # W1; W2 sliced to n keys
+
+
+DENSE = Mixer("dense", "Dense Synthesizer: each token synthesizes its row of N logits, W2 relu(W1 x + b1) + b2",
+              _flops, Dense)

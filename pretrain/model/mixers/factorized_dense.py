@@ -10,6 +10,7 @@ from torch import nn
 from pretrain.core.config import ModelConfig
 from pretrain.model.layers import head_parameter
 from pretrain.model.mixers.dense import HiddenProjection, dense_kernel
+from pretrain.model.mixers.mixer import Mixer
 
 
 def factor_pair(n: int) -> tuple[int, int]:
@@ -38,3 +39,14 @@ class FactorizedDense(nn.Module):
         # column j = i_a * b + i_b: A repeated (each element b times), B tiled (whole vector a times)
         logits = (fa[..., :, None] * fb[..., None, :]).flatten(-2)  # [b, h/tp, n, N]
         return logits[..., :m]
+
+
+def _flops(cfg: ModelConfig, n: int) -> int:
+    inner = cfg.num_heads * cfg.d_kv
+    return 2 * n * cfg.d_model * inner + 2 * n * inner * sum(factor_pair(cfg.max_length))  # W1; W_A and W_B
+
+
+FACTORIZED_DENSE = Mixer(
+    "factorized_dense", "Factorized Dense Synthesizer: two small dense projections whose outer product gives N logits",
+    _flops, FactorizedDense,
+)
