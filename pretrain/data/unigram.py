@@ -25,7 +25,7 @@ from pretrain.core.config import Config, UsageError, load_config
 from pretrain.core.files import write_atomic
 from pretrain.data.loader import build_eval_loader
 from pretrain.core.redact import redact
-from pretrain.data.stream import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX
 
 
 def unigram_baseline(labels: Iterable[torch.Tensor]) -> dict:

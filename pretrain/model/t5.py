@@ -22,16 +22,14 @@ from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfA
 from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, use_cpu_autograd
 from pretrain.model.init import init_scope, model_init
 from pretrain.model.layers import RowLinear
-from pretrain.model.loss import vocab_parallel_cross_entropy
+from pretrain.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from pretrain.model.mixers import parse_mixers
 from pretrain.distributed.parallel import padded_vocab_size
-
-IGNORE_INDEX = -100
 
 
 @dataclass
 class T5Output:
-    loss: torch.Tensor | None  # mean cross-entropy over the labels != -100 (same value on every TP rank)
+    loss: torch.Tensor | None  # mean cross-entropy over the labels != IGNORE_INDEX (same value on every TP rank)
     logits: torch.Tensor  # [b, m, vocab/tp]: this rank's vocabulary shard
     num_tokens: torch.Tensor | None  # number of labels that count in the loss
 
