@@ -27,12 +27,11 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
-from pretrain.model.layers import RowLinear, head_parameter
+from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
 
 
@@ -146,10 +145,10 @@ class SelfAttention(nn.Module):
                 nn.init.normal_(w[:, 1:], 0.0, f * d**-0.5)
 
             with init_scope("qkv"):
-                self.qkv = ColumnParallelLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
+                self.qkv = ColumnLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
         else:
             with init_scope("v"):
-                self.v = ColumnParallelLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+                self.v = ColumnLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
         self.synth = nn.ModuleDict()
         for name in mixers:
             if name != "vanilla":
@@ -184,10 +183,10 @@ class SelfAttention(nn.Module):
                 f"attention; raise model.max_length or shorten the inputs"
             )
         if "vanilla" in self.mixers:
-            q, k, v = _split_heads(self.qkv(x)[0], self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
+            q, k, v = _split_heads(self.qkv(x), self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:
             q = k = None
-            v = self.v(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+            v = self.v(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         if cache is not None:
             # incremental decoding: keys/values of the earlier positions are kept, the new ones appended
             if k is not None:
@@ -265,10 +264,10 @@ class CrossAttention(nn.Module):
         super().__init__()
         inner, d, f = cfg.num_heads * cfg.d_kv, cfg.d_model, cfg.initializer_factor
         self.d_kv, self.heads, self.dropout = cfg.d_kv, cfg.num_heads // tp, cfg.dropout
-        self.q = ColumnParallelLinear(
+        self.q = ColumnLinear(
             d, inner, config=mp_config, init_method=_normal(f * (d * cfg.d_kv) ** -0.5), bias=False
         )
-        self.kv = ColumnParallelLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+        self.kv = ColumnLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
         self.o = RowLinear(
             inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
             skip_bias_add=True,
@@ -277,12 +276,12 @@ class CrossAttention(nn.Module):
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output [b, n, d] -> K, V [b, heads/tp, n, d_kv] (rows ordered [head, (k, v), d_kv])."""
         b, n, _ = memory.shape
-        k, v = _split_heads(self.kv(memory)[0], self.heads, 2, self.d_kv)
+        k, v = _split_heads(self.kv(memory), self.heads, 2, self.d_kv)
         return k, v
 
     def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         k, v = memory_kv
         p = self.dropout if self.training else 0.0
         with _fork_tp_rng(p > 0):

@@ -1,9 +1,10 @@
 """Tensor-parallel building blocks of the model: per-head parameters sharded over TP and megatron's linear layers
-returning their output alone."""
+returning their output alone (megatron's return (output, bias); the model adds its biases in the layer)."""
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import (RowParallelLinear, reduce_from_tensor_model_parallel_region,
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                            reduce_from_tensor_model_parallel_region,
                                             set_tensor_model_parallel_attributes)
 from torch import nn
 
@@ -13,6 +14,15 @@ def head_parameter(full: torch.Tensor, tp_rank: int, tp: int, requires_grad: boo
     param = nn.Parameter(full.chunk(tp, dim=0)[tp_rank].clone(), requires_grad=requires_grad)
     set_tensor_model_parallel_attributes(param, True, 0, 1)
     return param
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear (output split over TP along its last dimension, gathered only with
+    gather_output), returning the output alone: its bias, if any, is added inside (skip_bias_add is never set)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = super().forward(x)  # fwd: identity into the TP region, bwd: all-reduce of the input gradient
+        return out
 
 
 class RowLinear(RowParallelLinear):

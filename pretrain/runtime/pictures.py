@@ -101,7 +101,7 @@ def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     logits = {}
     for name in attn.mixers:
         if name == "vanilla":
-            qkv = attn.qkv(x)[0].view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
+            qkv = attn.qkv(x).view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
             logits[name] = qkv[0] @ qkv[1].transpose(-1, -2)  # [1, heads, n, n]; T5 folds the scale into Q
             if vanilla_bias is not None:  # position_bias: vanilla, in a mixture
                 logits[name] = logits[name] + vanilla_bias

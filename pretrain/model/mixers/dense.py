@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.layers import head_parameter
+from pretrain.model.layers import ColumnLinear, head_parameter
 from pretrain.model.mixers.mesh_tf import mesh_tf_dense_kernel
 from pretrain.model.mixers.mixer import Mixer
 
@@ -21,7 +20,7 @@ class HiddenProjection(nn.Module):
         super().__init__()
         fan = cfg.d_model * (cfg.d_kv if cfg.synthesizer_init == "mesh_tf" else 1)
         std = cfg.initializer_factor * fan**-0.5
-        self.w1 = ColumnParallelLinear(
+        self.w1 = ColumnLinear(
             cfg.d_model, cfg.num_heads * cfg.d_kv, config=mp_config, bias=True, gather_output=False,
             init_method=lambda w: nn.init.normal_(w, 0.0, std),
         )
@@ -29,7 +28,7 @@ class HiddenProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        return F.relu(self.w1(x)[0]).view(b, n, -1, self.d_kv)  # [b, n, heads/tp, d_kv]
+        return F.relu(self.w1(x)).view(b, n, -1, self.d_kv)  # [b, n, heads/tp, d_kv]
 
 
 def dense_kernel(cfg: ModelConfig, shape: tuple[int, ...]) -> torch.Tensor:
