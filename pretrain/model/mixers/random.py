@@ -30,6 +30,7 @@ class Random(nn.Module):
         return self.r[None, :, start : start + n, :m]  # [1, heads/tp, n, m]
 
 
+# no FLOPs of their own: R is sliced, not computed
 RANDOM = Mixer("random", "Random Synthesizer: a learned N x N logit matrix per head, independent of the input",
                lambda cfg, n: 0, Random, lambda p: p["r"])
 FIXED_RANDOM = Mixer("fixed_random", "Fixed Random Synthesizer: a frozen random N x N logit matrix per head",
