@@ -26,7 +26,7 @@ def initial_logit_std(cfg: ModelConfig, mixer: str, seed: int = 0, batch: int = 
     n = cfg.max_length
     x = torch.randn(batch, n, cfg.d_model)  # unit RMS per token, as RMSNorm's output at initialisation
     if mixer == "vanilla":
-        q, k, _ = attn.qkv(x)[0].view(batch, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
+        q, k, _ = attn.qkv(x).view(batch, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
         return float((q @ k.transpose(-1, -2)).std())
     return float(attn.synth[mixer](x, 0, n).std())
 

@@ -9,8 +9,9 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import SelfAttention, parse_mixers
-from pretrain.model.synthesizer import build_synthesizer, factor_pair
+from pretrain.model.attention import SelfAttention
+from pretrain.model.mixers import MIXERS, parse_mixers
+from pretrain.model.mixers.factorized_dense import factor_pair
 from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
@@ -93,7 +94,7 @@ def test_factorized_dense_is_not_block_constant():
     init_single_process()
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, max_length=12)  # a, b = 3, 4: a != b, so a transposed grid shows too
-    synth = build_synthesizer("factorized_dense", cfg, ModelParallelConfig(use_cpu_initialization=True), 0, 1)
+    synth = MIXERS["factorized_dense"].build(cfg, ModelParallelConfig(use_cpu_initialization=True), 0, 1)
     with torch.no_grad():
         for p in (synth.ba, synth.bb):
             p.normal_()  # zero biases would leave rows whose relu hidden is all zero at 0 everywhere

@@ -19,7 +19,7 @@ from pretrain.transfer.exporting import CheckpointError, export, load_pretrained
 from pretrain.runtime.faults import EXIT_USAGE
 from pretrain.core.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
-from pretrain.model.attention import MIXERS
+from pretrain.model.mixers import MIXERS
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters
@@ -398,7 +398,7 @@ def test_an_export_older_than_a_model_key_loads_with_the_keys_old_behaviour(tmp_
 def _in_a_canonical_order(spec: str) -> bool:
     """Whether the mixers of `spec` are in alphabetical or in MIXERS order (or the reverse of one)."""
     names = spec.split("+")
-    orders = (sorted(names), sorted(names, key=MIXERS.index))
+    orders = (sorted(names), sorted(names, key=list(MIXERS).index))
     return any(names in (order, order[::-1]) for order in orders)
 
 

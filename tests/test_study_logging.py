@@ -175,8 +175,8 @@ def test_attention_maps_are_what_the_layer_applies() -> None:
         bias = model.encoder.relative_bias(8, 8) if placement else None
         with torch.no_grad():
             expected = attn(x, bias, None) if placement != "vanilla" else attn(x, None, None, None, bias)
-            v = (attn.qkv(x)[0].view(1, 8, 4, 3, 8)[:, :, :, 2] if "vanilla" in attn.mixers
-                 else attn.v(x)[0].view(1, 8, 4, 8)).transpose(1, 2)  # [1, heads, n, d_kv]
+            v = (attn.qkv(x).view(1, 8, 4, 3, 8)[:, :, :, 2] if "vanilla" in attn.mixers
+                 else attn.v(x).view(1, 8, 4, 8)).transpose(1, 2)  # [1, heads, n, d_kv]
             out = (maps["mixed"][None] @ v).transpose(1, 2).reshape(1, 8, -1)
             torch.testing.assert_close(attn.o(out), expected, rtol=1e-5, atol=1e-6)
         if encoder == "vanilla":

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pretrain.core.cli import exit_on_help
+from pretrain.core.files import write_atomic
 
 T = TypeVar("T")
 
@@ -440,9 +441,7 @@ def to_yaml(cfg) -> str:
 def save_config(cfg, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(path)
+    write_atomic(path, to_yaml(cfg))
 
 
 def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "") -> T:

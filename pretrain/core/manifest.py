@@ -31,6 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.core.config import UsageError
+from pretrain.core.files import fsync_path, write_atomic  # noqa: F401  (runtime/checkpoint.py imports them from here)
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +55,6 @@ def step_of(name: str) -> int | None:
 # ----------------------------------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: readers see the old or the new text, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_path(path.parent)
-
-
 def crc32_of(file: Path) -> str:
     """zlib's crc32 of the file's bytes, as 8 hex digits."""
     crc, chunk = 0, bytearray(_CHUNK)  # one buffer for every read: host memory holds one chunk, not two

@@ -47,11 +47,11 @@ from pretrain.core.redact import redact
 from pretrain.data.remote import Retry
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
+from pretrain.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
 POSITION_KEYS = ("epoch", "shard", "doc", "offset", "block", "next")
-IGNORE_INDEX = -100  # labels on padding; the loss skips them
 
 
 def start_position(epoch: int = 0) -> dict:

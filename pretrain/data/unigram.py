@@ -22,9 +22,10 @@ from typing import Iterable
 import torch
 
 from pretrain.core.config import Config, UsageError, load_config
+from pretrain.core.files import write_atomic
 from pretrain.data.loader import build_eval_loader
 from pretrain.core.redact import redact
-from pretrain.data.stream import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX
 
 
 def unigram_baseline(labels: Iterable[torch.Tensor]) -> dict:
@@ -66,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=1) + "\n"
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.with_suffix(".tmp").write_text(text)
-        args.output.with_suffix(".tmp").replace(args.output)
+        write_atomic(args.output, text)
     print(text, end="")
     return 0
 

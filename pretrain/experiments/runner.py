@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pretrain.core.files import write_atomic
 from pretrain.experiments.grid import (FETCHED_TASKS, REPO, SCRATCH, Cell, StudyConfig, cell_row, cells, data_paths,
                                       pretrain_args)
 
@@ -194,8 +195,7 @@ def run_downstream(cfg: StudyConfig, cell: Cell) -> bool:
             if not _stage(cell, stage, _module(cfg, "pretrain.finetune", [*args, *extra, run_dir])):
                 return False
     row = cell_row(cfg, cell)
-    (cell.dir / "cell.json.tmp").write_text(json.dumps(row, indent=1) + "\n")
-    (cell.dir / "cell.json.tmp").replace(cell.dir / "cell.json")
+    write_atomic(cell.dir / "cell.json", json.dumps(row, indent=1) + "\n")
     return True
 
 

@@ -1,4 +1,4 @@
-"""Attention for the T5 stacks: the mixer spec ("random+vanilla"), T5's relative position bias, the
+"""Attention for the T5 stacks: T5's relative position bias, the
 self-attention layer that mixes dot-product and Synthesizer logits, and dot-product cross-attention.
 
 Every mixer yields per-head logits [b, heads/tp, n, m]; a mixture sums them weighted by
@@ -27,28 +27,12 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                            reduce_from_tensor_model_parallel_region)
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
-from pretrain.model.synthesizer import build_synthesizer, head_parameter
-
-MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
-
-
-def parse_mixers(spec: str, key: str = "attention") -> tuple[str, ...]:
-    """'random+vanilla' -> ('random', 'vanilla'); a bad name is a one-line ValueError listing valid names."""
-    names = tuple(spec.split("+"))
-    for name in names:
-        if name not in MIXERS:
-            raise UsageError(
-                f"{key} '{spec}': unknown mixer '{name}'; valid: {', '.join(MIXERS)}, or a mixture 'a+b[+c]'"
-            )
-    if len(set(names)) != len(names):
-        raise UsageError(f"{key} '{spec}' names a mixer twice; a mixture lists distinct mixers")
-    return names
+from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
+from pretrain.model.mixers import MIXERS
 
 
 def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
@@ -107,20 +91,6 @@ class RelativePositionBias(nn.Module):
         return self.weight[:, self._bucket(k - q)][None]  # [1, heads/tp, n, m]
 
 
-class RowLinear(RowParallelLinear):
-    """megatron's RowParallelLinear (input split over TP along its last dimension, output all-reduced), bias-free,
-    returning the output alone. megatron's own forward hands the matmul `tp_group=None`, which megatron answers
-    with a DeprecationWarning through warnings.warn at every call on rank 0: a torch.compile graph break at each
-    output projection. Here the matmul gets the layer's group; the computation is the same."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._forward_impl(input=x, weight=self.weight, bias=None,
-                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
-                                 grad_output_buffer=None)
-        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)  # fwd: all-reduce over TP
-
-
 def _split_heads(fused: torch.Tensor, heads: int, parts: int, d_kv: int) -> tuple[torch.Tensor, ...]:
     """A fused projection [b, n, heads/tp * parts * d_kv] (rows ordered [head, part, d_kv]) -> `parts` tensors
     [b, heads/tp, n, d_kv] (q, k, v or k, v).
@@ -175,15 +145,15 @@ class SelfAttention(nn.Module):
                 nn.init.normal_(w[:, 1:], 0.0, f * d**-0.5)
 
             with init_scope("qkv"):
-                self.qkv = ColumnParallelLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
+                self.qkv = ColumnLinear(d, 3 * inner, config=mp_config, init_method=init_qkv, bias=False)
         else:
             with init_scope("v"):
-                self.v = ColumnParallelLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+                self.v = ColumnLinear(d, inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
         self.synth = nn.ModuleDict()
         for name in mixers:
             if name != "vanilla":
                 with init_scope(f"synth.{name}"):
-                    self.synth[name] = build_synthesizer(name, cfg, mp_config, tp_rank, tp)
+                    self.synth[name] = MIXERS[name].build(cfg, mp_config, tp_rank, tp)
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
@@ -213,10 +183,10 @@ class SelfAttention(nn.Module):
                 f"attention; raise model.max_length or shorten the inputs"
             )
         if "vanilla" in self.mixers:
-            q, k, v = _split_heads(self.qkv(x)[0], self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
+            q, k, v = _split_heads(self.qkv(x), self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:
             q = k = None
-            v = self.v(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+            v = self.v(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         if cache is not None:
             # incremental decoding: keys/values of the earlier positions are kept, the new ones appended
             if k is not None:
@@ -294,10 +264,10 @@ class CrossAttention(nn.Module):
         super().__init__()
         inner, d, f = cfg.num_heads * cfg.d_kv, cfg.d_model, cfg.initializer_factor
         self.d_kv, self.heads, self.dropout = cfg.d_kv, cfg.num_heads // tp, cfg.dropout
-        self.q = ColumnParallelLinear(
+        self.q = ColumnLinear(
             d, inner, config=mp_config, init_method=_normal(f * (d * cfg.d_kv) ** -0.5), bias=False
         )
-        self.kv = ColumnParallelLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
+        self.kv = ColumnLinear(d, 2 * inner, config=mp_config, init_method=_normal(f * d**-0.5), bias=False)
         self.o = RowLinear(
             inner, d, config=mp_config, init_method=_normal(f * inner**-0.5), bias=False, input_is_parallel=True,
             skip_bias_add=True,
@@ -306,12 +276,12 @@ class CrossAttention(nn.Module):
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output [b, n, d] -> K, V [b, heads/tp, n, d_kv] (rows ordered [head, (k, v), d_kv])."""
         b, n, _ = memory.shape
-        k, v = _split_heads(self.kv(memory)[0], self.heads, 2, self.d_kv)
+        k, v = _split_heads(self.kv(memory), self.heads, 2, self.d_kv)
         return k, v
 
     def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q(x)[0].view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         k, v = memory_kv
         p = self.dropout if self.training else 0.0
         with _fork_tp_rng(p > 0):

@@ -2,32 +2,19 @@
 
 Softmax, norms and elementwise work are not counted (the usual MFU convention); neither is activation
 recompute (model FLOPs, not hardware FLOPs). Synthesized logits are counted as the matmuls that
-produce them for the needed [n, m] slice.
+produce them for the needed [n, m] slice, as each mixer declares them (`Mixer.flops`).
 """
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import parse_mixers
-from pretrain.model.synthesizer import factor_pair
+from pretrain.model.mixers import MIXERS, parse_mixers
 
 
 def _self_attention(cfg: ModelConfig, spec: str, n: int) -> float:
-    d, h, k = cfg.d_model, cfg.num_heads, cfg.factorized_k
-    inner = h * cfg.d_kv
-    mixers = parse_mixers(spec)
-    flops = 2 * n * d * inner * 2  # V projection and output projection
+    inner = cfg.num_heads * cfg.d_kv
+    flops = 2 * n * cfg.d_model * inner * 2  # V projection and output projection
     flops += 2 * n * n * inner  # probs @ V
-    for name in mixers:
-        if name == "vanilla":
-            flops += 2 * n * d * 2 * inner + 2 * n * n * inner  # Q, K projections; Q K^T
-        elif name == "dense":
-            flops += 2 * n * d * inner + 2 * n * inner * n  # W1; W2 sliced to n keys
-        elif name == "factorized_dense":
-            a, b = factor_pair(cfg.max_length)
-            flops += 2 * n * d * inner + 2 * n * inner * (a + b)
-        elif name == "factorized_random":
-            flops += 2 * h * n * n * k  # R1 R2^T
-    return flops
+    return flops + sum(MIXERS[name].flops(cfg, n) for name in parse_mixers(spec))  # each mixer's logits
 
 
 def flops_per_sequence(cfg: ModelConfig, input_length: int, target_length: int) -> float:

@@ -17,7 +17,8 @@ import torch
 from transformers import T5Config
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import bias_placement, parse_mixers
+from pretrain.model.attention import bias_placement
+from pretrain.model.mixers import parse_mixers
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
 
 # the HF tensors one of our parameters is made of, and how they combine into it

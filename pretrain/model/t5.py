@@ -14,23 +14,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.model.attention import (CrossAttention, RelativePositionBias, RowLinear, SelfAttention, add_optional,
-                                      bias_placement, parse_mixers)
+from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, add_optional, bias_placement
 from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, use_cpu_autograd
 from pretrain.model.init import init_scope, model_init
-from pretrain.model.loss import vocab_parallel_cross_entropy
+from pretrain.model.layers import ColumnLinear, RowLinear
+from pretrain.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from pretrain.model.mixers import parse_mixers
 from pretrain.distributed.parallel import padded_vocab_size
-
-IGNORE_INDEX = -100
 
 
 @dataclass
 class T5Output:
-    loss: torch.Tensor | None  # mean cross-entropy over the labels != -100 (same value on every TP rank)
+    loss: torch.Tensor | None  # mean cross-entropy over the labels != IGNORE_INDEX (same value on every TP rank)
     logits: torch.Tensor  # [b, m, vocab/tp]: this rank's vocabulary shard
     num_tokens: torch.Tensor | None  # number of labels that count in the loss
 
@@ -62,7 +61,7 @@ class GatedFFN(nn.Module):
         super().__init__()
         f, d = cfg.initializer_factor, cfg.d_model
         # stride 2: master rows [wi_0; wi_1] are cut in 2 x TP pieces, rank r keeps [wi_0 piece r; wi_1 piece r]
-        self.wi = ColumnParallelLinear(
+        self.wi = ColumnLinear(
             d, 2 * cfg.d_ff, config=mp_config, bias=False, stride=2,
             init_method=lambda w: nn.init.normal_(w, 0.0, f * d**-0.5),
         )
@@ -73,7 +72,7 @@ class GatedFFN(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.wi(x)[0]  # [b, n, 2 d_ff/tp]: [gate | linear]
+        h = self.wi(x)  # [b, n, 2 d_ff/tp]: [gate | linear]
         if use_cpu_autograd(h) if self.cpu_autograd is None else self.cpu_autograd:
             h = GatedGeluFunction.apply(h)  # [b, n, d_ff/tp]; eager CPU: pretrain/model/cpu_autograd.py
         else:
@@ -221,7 +220,7 @@ class T5Model(nn.Module):
                 self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank,
                                      tp, activation_checkpointing, sdpa)
             with init_scope("lm_head"):
-                self.lm_head = ColumnParallelLinear(
+                self.lm_head = ColumnLinear(
                     cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
                 )
 
@@ -249,7 +248,7 @@ class T5Model(nn.Module):
         start = caches[0].get("len", 0) if caches else 0
         mask = causal_mask(h.shape[1], start, decoder_attention_mask, h.dtype, h.device)
         h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
-        return mask_vocab_padding(self.lm_head(h)[0], self.config.vocab_size)
+        return mask_vocab_padding(self.lm_head(h), self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

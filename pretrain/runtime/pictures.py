@@ -1,4 +1,5 @@
-"""Pictures of a model's learned attention for TensorBoard and the study: the Random synthesizer matrices per layer and head,
+"""Pictures of a model's learned attention for TensorBoard and the study: the input-independent synthesizer matrices
+(each mixer with a `Mixer.matrix`: Random, Fixed Random, Factorized Random as R1 R2^T) per layer and head,
 the mixture weights per layer and head, and attention maps on an input, as arrays (no plotting library)."""
 from __future__ import annotations
 
@@ -7,24 +8,22 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from pretrain.model.mixers import MIXERS
 
-# our names (encoder.layers.0.attn.synth.random.r) and the export's (encoder.block.0.layer.0.SelfAttention.synth...)
-_RANDOM = re.compile(r"^(encoder|decoder)\.(?:layers|block)\.(\d+)\..*synth\.(random|fixed_random|factorized_random)\.(r|r1)$")
+# a synthesizer's own parameter, by our names (encoder.layers.0.attn.synth.random.r) and the export's
+# (encoder.block.0.layer.0.SelfAttention.synth.random.r)
+_SYNTH = re.compile(r"^(encoder|decoder)\.(?:layers|block)\.(\d+)\..*synth\.(\w+)\.(\w+)$")
 
 
 def synthesizer_matrices(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{"encoder.layers.0/random": [heads, N, N]} for every input-independent synthesizer in `state`."""
-    found = []
+    params: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
     for name, t in state.items():
-        m = _RANDOM.match(name)
-        if not m:
-            continue
-        stack, layer, mixer, part = m.groups()
-        r = t.detach().float()
-        if part == "r1":  # R = R1 R2^T: [heads, N, k] @ [heads, k, N]
-            r = r @ state[name[:-1] + "2"].detach().float().transpose(1, 2)
-        found.append(((stack, int(layer), mixer), r))
-    return {f"{stack}.layers.{layer}/{mixer}": r for (stack, layer, mixer), r in sorted(found, key=lambda f: (f[0][0] != "encoder", *f[0][1:]))}
+        m = _SYNTH.match(name)
+        if m and m[3] in MIXERS and MIXERS[m[3]].matrix is not None:
+            params.setdefault((m[1], int(m[2]), m[3]), {})[m[4]] = t.detach().float()
+    found = sorted(params.items(), key=lambda f: (f[0][0] != "encoder", *f[0][1:]))  # encoder first, by layer
+    return {f"{stack}.layers.{layer}/{mixer}": MIXERS[mixer].matrix(p) for (stack, layer, mixer), p in found}
 
 
 def mixture_grids(model) -> dict[str, np.ndarray]:
@@ -102,7 +101,7 @@ def attention_maps(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     logits = {}
     for name in attn.mixers:
         if name == "vanilla":
-            qkv = attn.qkv(x)[0].view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
+            qkv = attn.qkv(x).view(b, n, attn.heads, 3, attn.d_kv).permute(3, 0, 2, 1, 4)
             logits[name] = qkv[0] @ qkv[1].transpose(-1, -2)  # [1, heads, n, n]; T5 folds the scale into Q
             if vanilla_bias is not None:  # position_bias: vanilla, in a mixture
                 logits[name] = logits[name] + vanilla_bias

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from pretrain.core.config import ModelConfig, UsageError
+from pretrain.core.files import write_atomic
 from pretrain.model import T5Model, generate_greedy
-from pretrain.model.attention import parse_mixers
+from pretrain.model.mixers import parse_mixers
 from pretrain.model.generation import to_host
 from pretrain.core.progress import progress
 from pretrain.tasks import Example, Task
@@ -224,7 +225,5 @@ def write_results(run_dir: Path, results: dict[str, dict[str, float]]) -> None:
     merged = json.loads(path.read_text()) if path.is_file() else {}
     merged.update(results)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
     (run_dir / "results.md").write_text(markdown_table(merged))

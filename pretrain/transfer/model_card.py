@@ -8,7 +8,7 @@ Synthesizer one (for a folder it looks for a causal LM in auto_map)."""
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.attention import parse_mixers
+from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.hf_convert import is_hf_t5
 
 PIPELINE_TAG = "text-generation"
@@ -22,14 +22,6 @@ PRETRAINING_METRICS = {  # what pretraining's metrics.jsonl measures on data.val
     "eval_accuracy": "share of target tokens whose argmax is right: a pretraining measure, not a task score",
 }
 
-MIXER_TEXT = {
-    "vanilla": "dot-product attention (T5's q k^T)",
-    "dense": "Dense Synthesizer: each token synthesizes its row of N logits, W2 relu(W1 x + b1) + b2",
-    "random": "Random Synthesizer: a learned N x N logit matrix per head, independent of the input",
-    "fixed_random": "Fixed Random Synthesizer: a frozen random N x N logit matrix per head",
-    "factorized_dense": "Factorized Dense Synthesizer: two small dense projections whose outer product gives N logits",
-    "factorized_random": "Factorized Random Synthesizer: R1 R2^T per head, R1, R2 in R^{N x k}",
-}
 POSITION_BIAS_TEXT = {  # model.position_bias (docs/model.md, "Position bias")
     "all": "T5's, added to every self-attention's mixed logits (`position_bias: all`)",
     "vanilla": "T5's, on the dot-product logits only, before mixing (`position_bias: vanilla`)",
@@ -66,7 +58,7 @@ def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], sour
     synthesizer = (cfg.encoder_attention, cfg.decoder_attention) != ("vanilla", "vanilla")
     remote = not is_hf_t5(cfg)  # the remote code: Synthesizer models, and vanilla ones without T5's position bias
     used = set(parse_mixers(cfg.encoder_attention)) | set(parse_mixers(cfg.decoder_attention))
-    mixers = [m for m in MIXER_TEXT if m in used]
+    mixers = [m for m in MIXERS if m in used]
     lines = [
         "---", "library_name: transformers", f"pipeline_tag: {PIPELINE_TAG}",
         "tags: [t5, synthesizer]" if synthesizer else "tags: [t5]", "---", f"# {name}", "",
@@ -85,7 +77,7 @@ def model_card(cfg: ModelConfig, num_params: int, mixture: dict[str, list], sour
     if synthesizer:
         lines += [f"| maximum length N | {cfg.max_length} (longer inputs are refused) |",
                   f"| mixture weights | {'per head' if cfg.mixture_per_head else 'per layer'} |"]
-    lines += ["", "Attention mixers:", *[f"- `{m}`: {MIXER_TEXT[m]}" for m in mixers]]
+    lines += ["", "Attention mixers:", *[f"- `{m}`: {MIXERS[m].text}" for m in mixers]]
     if mixture:
         lines += ["", "Learned mixture weights (softmax; per-head weights averaged over heads):", ""]
         for layer, w in mixture.items():

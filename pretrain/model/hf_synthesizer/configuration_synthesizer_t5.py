@@ -7,6 +7,8 @@ code; its T5Config is a strict dataclass that a `@strict` subclass would have to
 """
 from transformers import T5Config
 
+# the names of pretrain.model.mixers.MIXERS in its order: a copy, as exports ship this file without that package
+# (tests/test_mixers.py fails when they differ)
 MIXERS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
 
 # The keys beyond T5Config, each with the value a config.json without it means: the behaviour of the exports made

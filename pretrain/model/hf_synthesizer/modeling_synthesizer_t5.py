@@ -158,6 +158,8 @@ class FactorizedRandom(nn.Module):
         return (self.r1[:, start : start + x.shape[1]] @ self.r2[:, :m].transpose(1, 2))[None]  # [1, heads, n, m]
 
 
+# pretrain.model.mixers.MIXERS's synthesizers, each with our parameters (names, shapes) and logits, without TP: a copy,
+# as exports ship this file without that package (tests/test_mixers.py fails when they differ)
 SYNTHESIZERS = {
     "dense": Dense,
     "factorized_dense": FactorizedDense,
