@@ -34,7 +34,7 @@ from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_loggin
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import build_profiler
-from pretrain.model import build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
+from pretrain.model import IGNORE_INDEX, build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
 from pretrain.distributed.parallel import ParallelDims, init_distributed
@@ -66,7 +66,7 @@ class ValidationLoss:
             for batch in to_device(batches, self.dims.device):
                 stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
                 out = self.engine(**batch)
-                valid = batch["labels"] != -100
+                valid = batch["labels"] != IGNORE_INDEX
                 correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
                 sums += torch.stack([out.loss.double() * out.num_tokens, correct.double(), out.num_tokens.double()])
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
