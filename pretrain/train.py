@@ -23,7 +23,8 @@ import yaml
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume, write_atomic
+from pretrain.core.files import write_atomic
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
 from pretrain.core.config import Config, parse_args, save_config, to_yaml
 from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.core.config import UsageError
-from pretrain.core.files import fsync_path, write_atomic  # noqa: F401  (runtime/checkpoint.py imports them from here)
+from pretrain.core.files import write_atomic
 
 log = logging.getLogger(__name__)
 

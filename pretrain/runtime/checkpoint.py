@@ -51,9 +51,10 @@ import yaml
 from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.core.config import MODEL_KEYS_ADDED, CheckpointConfig, ModelConfig, UsageError
+from pretrain.core.files import fsync_path, write_atomic
 from pretrain.core.manifest import (COMPLETE, LATEST, check_complete, check_intact, complete_steps, damaged_parts,
-                                    describe, describe_shards, fsync_path, missing_parts, newest_intact, shard_change,
-                                    step_of, tag_for, write_atomic, write_marker)
+                                    describe, describe_shards, missing_parts, newest_intact, shard_change, step_of,
+                                    tag_for, write_marker)
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.checkpoint_writer import BackgroundWriter, HostCopies, snapshot, staging_saves
 from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
