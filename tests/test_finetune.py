@@ -131,13 +131,6 @@ def test_stream_splits_by_dp_rank_and_resumes():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
-@pytest.fixture(scope="module")
-def polarity_dir(tmp_path_factory):
-    from pretrain.tasks.polarity import fetch_polarity
-
-    return fetch_polarity(tmp_path_factory.mktemp("polarity") / "SST-2")
-
-
 def _python(*args, processes=1):
     """`python -m ...`, or `torchrun --nproc-per-node N -m ...`; its stdout, or its error output as the failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
