@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Seconds of the known-slow tests and shared fixtures (a fixture under its unit's name, FILE::FIXTURE), from the quiet
 # `make test` of 6b56361 with two workers (--durations): the order needs their rank, not their exact value. Every other
-# test counts OTHER_TEST_S.
+# test counts OTHER_TEST_S, every other shared fixture SHARED_FIXTURE_S (one is shared because it is slow to build:
+# runs of real processes, mostly).
 SLOW_S = {
     "tests/test_finetune.py::test_pretraining_helps_finetuning_on_real_polarity_data": 488,
     "slurm": 174 + 88 + 60,  # the SLURM runs' fixture, the study on SLURM, the cluster's start and its other tests
@@ -37,6 +38,7 @@ SLOW_S = {
     "tests/test_faults.py::test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints": 52,
 }
 OTHER_TEST_S = 2.0
+SHARED_FIXTURE_S = 30.0
 
 
 def work_unit(nodeid: str) -> str:
@@ -53,7 +55,7 @@ def unit_seconds(unit: str, nodeids: Iterable[str]) -> float:
     """The estimated seconds of a unit of these tests: theirs plus its shared fixture's."""
     nodeids = list(nodeids)
     tests = sum(SLOW_S.get(n.split("[", 1)[0], OTHER_TEST_S) for n in nodeids)
-    return tests + (SLOW_S.get(unit, 0.0) if unit not in nodeids else 0.0)
+    return tests + (SLOW_S.get(unit, SHARED_FIXTURE_S) if unit not in nodeids else 0.0)
 
 
 @functools.cache
