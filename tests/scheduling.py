@@ -8,7 +8,7 @@ from the files' text: the controller never imports the tests, and xdist's own `x
 9's node ids.
 
 The order is longest-processing-time first: each free worker takes the unit of the most estimated seconds. In file
-order, the longest tests started last on one worker while the other had nothing left (`make test` of 6b56361: 24 min
+order, the longest tests started last on one worker while the other had nothing left (`make test` of 15fd370: 24 min
 wall for 2,094 CPU seconds on 2 workers, whose lower bound is 17.5 min).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Seconds of the known-slow tests and shared fixtures (a fixture under its unit's name, FILE::FIXTURE), from the quiet
-# `make test` of 6b56361 with two workers (--durations): the order needs their rank, not their exact value. Every other
+# `make test` of 15fd370 with two workers (--durations): the order needs their rank, not their exact value. Every other
 # test counts OTHER_TEST_S, every other shared fixture SHARED_FIXTURE_S (one is shared because it is slow to build:
 # runs of real processes, mostly).
 SLOW_S = {
