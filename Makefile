@@ -11,7 +11,7 @@ $(STAMP): requirements.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $(STAMP)
 
-# two pytest-xdist workers (CI has 2 cores); tests/conftest.py says which tests share a worker
+# two pytest-xdist workers (CI has 2 cores); tests/scheduling.py says which tests share a worker, longest first
 TEST_WORKERS ?= 2
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests

@@ -10,7 +10,6 @@ in both major versions; tests/test_hf_versions.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import os
 import shutil
@@ -29,7 +28,8 @@ from pretrain.data.prepare import prepare
 from pretrain.data.shards import FORMAT_VERSION
 from tokenizer.train import train
 
-pytest_plugins = ("tests.slurm_cluster",)  # one real SLURM cluster per session, for the tests that ask for it
+# one real SLURM cluster per session, for the tests that ask for it; how the xdist workers share the suite
+pytest_plugins = ("tests.slurm_cluster", "tests.scheduling")
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_PIECES = 1000  # + 100 sentinels = 1100 ids: configs/tiny.yaml's vocab_size
@@ -124,6 +124,18 @@ def shards(c4_dir: Path, tokenizer_model: str, data_cache: Path) -> PreparedData
 
 
 @pytest.fixture(scope="session")
+def polarity_dir(data_cache: Path) -> Path:
+    """The Pang & Lee sentence-polarity set in SST-2's layout (500 dev, 500 test sentences), as `make demo` writes it.
+    Session-wide, not per module: a module fixture would bind its file's tests into one unit of work
+    (tests/scheduling.py)."""
+    from pretrain.tasks.polarity import fetch_polarity
+
+    folder = _build_once(data_cache / "test-fixtures" / f"polarity-{_key(code=('pretrain/tasks/polarity.py',))}",
+                         lambda tmp: fetch_polarity(tmp / "SST-2", data_cache / "downloads"))
+    return folder / "SST-2"
+
+
+@pytest.fixture(scope="session")
 def transformers4_python(data_cache: Path) -> Path:
     """The interpreter of a virtual environment holding TRANSFORMERS_4 over the project's site-packages (a .pth
     file adds them after its own, so its transformers shadows the pinned 5.x and torch is the project's). Built
@@ -140,33 +152,3 @@ def transformers4_python(data_cache: Path) -> Path:
                         *TRANSFORMERS_4], check=True)
 
     return _build_once(data_cache / "test-fixtures" / f"transformers4-{key}", build) / "bin" / "python"
-
-
-
-def _work_unit(nodeid: str) -> str:
-    """The unit pytest-xdist hands one worker (`make test` runs two): the SLURM cluster's tests together (one cluster
-    starts; two would hand out the same job ids, and srun jobs derive their rendezvous port from the id), a module
-    with a module-scoped fixture together (the fixture is built once: the study's and the SLURM runs' take minutes),
-    every other test alone, to whichever worker is free. Decided from the file's text: the controller never imports
-    the tests (and xdist's own `xdist_group` marks do not reach pytest 9's node ids)."""
-    path = nodeid.split("::", 1)[0]
-    text = _test_file_text(path)
-    if "slurm_cluster" in text:
-        return "slurm"
-    return path if 'scope="module"' in text else nodeid
-
-
-@functools.cache
-def _test_file_text(path: str) -> str:
-    file = REPO / path
-    return file.read_text() if file.is_file() else ""
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SharedFixtureScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _work_unit(nodeid)
-
-    return SharedFixtureScheduling(config, log)

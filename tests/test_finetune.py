@@ -131,13 +131,6 @@ def test_stream_splits_by_dp_rank_and_resumes():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
-@pytest.fixture(scope="module")
-def polarity_dir(tmp_path_factory):
-    from pretrain.tasks.polarity import fetch_polarity
-
-    return fetch_polarity(tmp_path_factory.mktemp("polarity") / "SST-2")
-
-
 def _python(*args, processes=1):
     """`python -m ...`, or `torchrun --nproc-per-node N -m ...`; its stdout, or its error output as the failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -145,6 +138,14 @@ def _python(*args, processes=1):
     done = subprocess.run([sys.executable, *launch, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def _finetune(rank, world, overrides):
+    """configs/finetune/polarity.yaml with `overrides`, in this rank; its exit code."""
+    from pretrain.core.config import load_config
+    from pretrain.finetune import FinetuneConfig, finetune
+
+    return finetune(load_config(FinetuneConfig, "configs/finetune/polarity.yaml", overrides))
 
 
 def _finetune_chain(rank, world, runs):
@@ -256,8 +257,11 @@ def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, po
     model_cfg = export_config(export_dir)
     torch.manual_seed(TINY.run.seed)
     random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
-    _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={random_init}",
-            f"data.dir={polarity_dir}", f"run.dir={tmp_path / 'from_random'}", "parallel.tensor=2", processes=2)
+    # in 2 ranks forked from the session's forkserver (the same TP 2 job, its numbers the same, without torchrun and
+    # ~25 s of CPU of start-up imports), without the test split's predictions, which nothing here reads
+    assert run_distributed(_finetune, 2, [f"init={random_init}", f"data.dir={polarity_dir}",
+                                          f"run.dir={tmp_path / 'from_random'}", "parallel.tensor=2",
+                                          "eval.submission=false"]) == [0, 0]
     baseline = json.loads((tmp_path / "from_random" / "results.json").read_text())
     labels = [line.rsplit("\t", 1)[1] for line in (polarity_dir / "dev.tsv").read_text().splitlines()[1:]]
     majority = max(labels.count(v) for v in set(labels)) / len(labels)  # 0.518

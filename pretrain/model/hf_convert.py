@@ -11,15 +11,16 @@ model.safetensors next to `hf_config(cfg).save_pretrained(dir)` loads with `from
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from transformers import T5Config
 
 from pretrain.core.config import ModelConfig
 from pretrain.model.attention import bias_placement
 from pretrain.model.mixers import parse_mixers
-from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+
+if TYPE_CHECKING:
+    from transformers import T5Config
 
 # the HF tensors one of our parameters is made of, and how they combine into it
 Source = tuple[tuple[str, ...], Callable[[list[torch.Tensor]], torch.Tensor]]
@@ -36,6 +37,12 @@ def is_hf_t5(cfg: ModelConfig) -> bool:
 
 def hf_config(cfg: ModelConfig) -> T5Config:
     """T5Config for HF T5 models (`is_hf_t5`); SynthesizerT5Config (T5Config plus the mixers) for the others."""
+    # imported where used: every training and fine-tuning process imports this module (weights from HF folders),
+    # and transformers is ~1.2 s of CPU at its start-up (`python -c "import transformers"`) that only exports need
+    from transformers import T5Config
+
+    from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
+
     t5 = dict(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff, num_layers=cfg.num_layers,
         num_decoder_layers=cfg.num_decoder_layers, num_heads=cfg.num_heads,
