@@ -201,8 +201,10 @@ def test_a_layer_compiles_to_one_graph(tp):
 def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
     # RMSNorm and the gated GELU with hand-written backward passes: gradcheck, then whole models (a vanilla and a
     # mixture layer, padded and unpadded) against the plain forms (use_cpu_autograd off), in float64
+    import pretrain.model.attention as attention
+    import pretrain.model.loss as loss
     import pretrain.model.t5 as t5
-    from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction
+    from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, VanillaAttentionFunction
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, dtype=torch.float64, generator=g).requires_grad_()
@@ -215,25 +217,62 @@ def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
     torch.testing.assert_close(GatedGeluFunction.apply(h), F.gelu(gate, approximate="tanh") * linear)
 
     calls = []
-    for fn in (RMSNormFunction, GatedGeluFunction):
+    for fn in (RMSNormFunction, GatedGeluFunction, VanillaAttentionFunction, loss._FlooredCrossEntropy):
         monkeypatch.setattr(fn, "apply", lambda *a, fn=fn, apply=fn.apply: calls.append(fn) or apply(*a))
     for spec in ("vanilla", "random+vanilla"):
         for padded in (False, True):
             batch = _batch(padded)
             fast = _run(_model(spec).double(), *batch)
             assert calls.count(RMSNormFunction) == 2 * 2 + 3 * 2 + 2 and calls.count(GatedGeluFunction) == 4
+            assert calls.count(VanillaAttentionFunction) == (4 if spec == "vanilla" else 0)  # self-attention layers
+            assert calls.count(loss._FlooredCrossEntropy) == 1
             calls.clear()
             with monkeypatch.context() as plain:
-                plain.setattr(t5, "use_cpu_autograd", lambda x: False)
+                for module in (t5, attention, loss):
+                    plain.setattr(module, "use_cpu_autograd", lambda x: False)
                 _assert_same(fast, _run(_model(spec).double(), *batch), rtol=1e-10, atol=1e-12)
             assert not calls
+
+
+def test_vanilla_attention_function_equals_plain_form():
+    # the eager CPU core of a vanilla layer (Q, K, V read from the fused projection, gradients written into it)
+    # against _split_heads + softmax(Q K^T + additive) V, in float64: a learned bias alone, bias + padding mask
+    # (the bias's gradient summed over the batch), a mask alone (no gradient), nothing
+    from pretrain.model.attention import _split_heads
+    from pretrain.model.cpu_autograd import VanillaAttentionFunction
+
+    b, n, heads, d_kv = 2, 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(b, n, heads * 3 * d_kv, dtype=torch.float64, generator=g).requires_grad_()
+    bias = torch.randn(1, heads, n, n, dtype=torch.float64, generator=g).requires_grad_()
+    mask = torch.zeros(b, 1, 1, n, dtype=torch.float64)
+    mask[1, ..., 3:] = torch.finfo(torch.float64).min
+
+    def plain(qkv, additive):
+        q, k, v = _split_heads(qkv, heads, 3, d_kv)
+        logits = q @ k.transpose(-1, -2)
+        logits = logits if additive is None else logits + additive
+        return (torch.softmax(logits, dim=-1) @ v).transpose(1, 2).reshape(b, n, -1)
+
+    assert torch.autograd.gradcheck(lambda qkv, bias: VanillaAttentionFunction.apply(qkv, bias, heads, d_kv),
+                                    (qkv, bias))
+    for additive in (lambda: bias, lambda: bias + mask, lambda: mask, lambda: None):
+        results = []
+        for form in (lambda qkv, a: VanillaAttentionFunction.apply(qkv, a, heads, d_kv), plain):
+            qkv.grad = bias.grad = None
+            out = form(qkv, additive())
+            out.backward(torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+            results.append((out.detach(), qkv.grad, bias.grad))
+        torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
 
 
 def test_cpu_train_step_skips_measured_waste():
     """One fp32 CPU step of a vanilla model does none of what issue 31's profile found in it (docs/model.md,
     "Benchmark"): a second zero-filled [vocab, d] embedding gradient (encoder and decoder ids now share one
     embedding call), select_backward's zero-filled full-size Q/K/V gradients, chunk's `cat` of the FFN gradient
-    halves, `tanh`, RMSNorm's decomposition (`pow`) and `max`'s unneeded indices in the loss."""
+    halves, `tanh`, RMSNorm's decomposition (`pow`) and `max`'s unneeded indices in the loss; nor the loss's
+    chain of full-size passes (`exp_`, `div_` over [b, m, vocab]) and self-attention's Q/K/V copies and the
+    `stack` of their gradients (only cross-attention's K, V split is left)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -256,3 +295,5 @@ def test_cpu_train_step_skips_measured_waste():
     assert not {"tanh", "gelu", "pow", "max"} & set(forward.seen), sorted(set(forward.seen))
     assert not {"select_backward", "gelu_backward", "tanh_backward", "pow"} & set(backward.seen), \
         sorted(set(backward.seen))
+    assert "exp_" not in forward.seen  # the loss's softmax is one kernel
+    assert backward.seen.count("stack") == CFG.num_decoder_layers  # cross-attention's K, V

@@ -17,7 +17,9 @@ softmax of input-independent mixers; always so for layers without `vanilla`. `sd
 SDPA on CUDA and wherever the mask needs no gradient, and materialised logits for CPU training, where SDPA
 with a differentiable mask falls back to a slower math path; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
-storing its activations (Megatron's selective recompute).
+storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer without
+attention dropout runs the materialised core as one autograd function that reads Q, K, V in the fused
+projection's layout and writes their gradients back into it (pretrain/model/cpu_autograd.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
+from pretrain.model.cpu_autograd import VanillaAttentionFunction, head_views, use_cpu_autograd
 from pretrain.model.init import init_scope
 from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
@@ -100,9 +103,7 @@ def _split_heads(fused: torch.Tensor, heads: int, parts: int, d_kv: int) -> tupl
     sum again (select_backward + add + clone: ~130 ms of a 7.3 s one-thread T5-small CPU step; the stack ~45 ms).
     On the CPU the parts are copied to contiguous tensors, as the matmuls would copy them anyway; CUDA kernels
     take the strided views."""
-    b, n, _ = fused.shape
-    views = (t.transpose(1, 2) for t in fused.view(b, n, heads, parts, d_kv).unbind(3))
-    return tuple(t.contiguous() if t.device.type == "cpu" else t for t in views)
+    return tuple(t.contiguous() if t.device.type == "cpu" else t for t in head_views(fused, heads, parts, d_kv))
 
 
 def _softmax(logits: torch.Tensor, additive: torch.Tensor | None, dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
@@ -182,6 +183,14 @@ class SelfAttention(nn.Module):
                 f"sequence length {start + n} exceeds model.max_length ({self.max_length}) of the synthesized "
                 f"attention; raise model.max_length or shorten the inputs"
             )
+        additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
+        p = self.dropout if self.training else 0.0
+        grad = any(t is not None and t.requires_grad for t in (additive, vanilla_bias))
+        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not grad
+        if (self.mixers == ("vanilla",) and not sdpa and cache is None and p == 0 and vanilla_bias is None
+                and not (self.recompute and self.training) and use_cpu_autograd(x)):
+            # eager CPU training: Q, K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
+            return self.o(VanillaAttentionFunction.apply(self.qkv(x), additive, self.heads, self.d_kv))
         if "vanilla" in self.mixers:
             q, k, v = _split_heads(self.qkv(x), self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:
@@ -194,10 +203,6 @@ class SelfAttention(nn.Module):
             v = cache["v"] = torch.cat([cache["v"], v], dim=2) if "v" in cache else v
             cache["len"] = start + n
         m = v.shape[2]
-        additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
-        p = self.dropout if self.training else 0.0
-        grad = any(t is not None and t.requires_grad for t in (additive, vanilla_bias))
-        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not grad
         core = self._fused if sdpa else self._mixed
 
         def run(x, q, k, v, additive, vanilla_bias):
