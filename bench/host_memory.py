@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,9 +57,13 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
 
 
 def measure(what: str, source: str | Path, output: str | Path = "") -> dict[str, int]:
-    """`_measure` in a fresh Python process (peak resident sets are per process)."""
+    """`_measure` in a fresh Python process (peak resident sets are per process). glibc's malloc gets a fixed mmap
+    threshold: with its default, which moves as blocks are freed, whether a freed tensor's pages go back to the
+    system or stay in the heap (and in the resident set) varies from run to run, +-15 MB on a 40 MB model; fixed,
+    every block above 64 KiB is its own mapping, so the resident set follows the live tensors."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, "-m", "bench.host_memory", "--measure", what, "--source", str(source),
-                           "--output", str(output)], cwd=REPO, capture_output=True, text=True)
+                           "--output", str(output)], cwd=REPO, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
