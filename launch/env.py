@@ -90,10 +90,11 @@ def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             source="slurm",
         )
     # a lone process needs no agreed port: a free one, so two such jobs on one machine do not collide
-    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free now (the kernel's pick), for a rendezvous its caller binds next."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -13,6 +13,7 @@ it takes the test process's environment and working directory as they are at the
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import queue
@@ -26,10 +27,27 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_PORTS = itertools.count(os.getpid())  # two pytest sessions side by side start at different ports
+_BELOW_EPHEMERAL = range(30000, 32768)  # Linux's ephemeral ports are 32768-60999; SLURM jobs' 20000-29999 (slurm/job.sh)
+
+
+def free_port() -> int:
+    """A port for a job's rendezvous, free now and below the kernel's ephemeral range: a port the kernel handed out
+    for a probe (bind to port 0) can be handed out again before the job binds it, to another process's outgoing
+    connection or probe; once, beside a full suite, a rank 1 waited in TCPStore for good after its rank 0 could not
+    bind. Each pytest-xdist worker takes its own band, so two tests running side by side never pick the same one."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), worker + 1)
+    band = _BELOW_EPHEMERAL[worker * len(_BELOW_EPHEMERAL) // workers:(worker + 1) * len(_BELOW_EPHEMERAL) // workers]
+    for _ in range(len(band)):
+        port = band[next(_PORTS) % len(band)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT from a job that just ended
+                continue
+            return port
+    raise RuntimeError(f"no free port in {band}")
 
 
 PRELOAD = ["torch", "deepspeed", "megatron.core", "pretrain.train", "pretrain.finetune", "pretrain.transfer.exporting",
@@ -67,7 +85,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) ->
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the session's first call
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, env, cwd, args, kwargs),
@@ -115,7 +133,7 @@ def launch_like_srun(world_size: int, code: str, argv: list[str], *, cwd: str | 
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", code, *argv], cwd=cwd, start_new_session=True, text=True,
                          stderr=subprocess.PIPE, preexec_fn=preexec_fn, env={

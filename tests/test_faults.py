@@ -23,7 +23,7 @@ from launch import run as launch_run
 from pretrain.data.loader import build_train_loader
 from pretrain.data.stream import epoch_shards
 from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
-from tests.distributed import _free_port, launch_like_srun, run_distributed
+from tests.distributed import free_port, launch_like_srun, run_distributed
 from tests.test_loader import cut_shards
 from tests.test_metrics import read_metrics
 from tests.test_train import COMMON, REPO, TINY, TRAIN, _train_each, data_overrides, losses
@@ -169,7 +169,7 @@ def test_a_second_job_on_the_same_run_dir_is_refused(shards, tmp_path):
     sleeper = _code(0, "time.sleep(3600)").replace("import multiprocessing", "import multiprocessing, time")
     holder = subprocess.Popen([sys.executable, "-c", sleeper, *_argv(tmp_path, shards, "data.workers=0")], cwd=REPO,
                               env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                                    "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 900  # a hang guard only: the first job needs a few seconds

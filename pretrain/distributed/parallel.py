@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
-from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, init_launcher_death_signal
+from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, free_port, init_launcher_death_signal
 from pretrain.core.config import ModelConfig, ParallelConfig, UsageError
 
 log = logging.getLogger(__name__)
@@ -139,18 +138,13 @@ def init_single_process(seed: int = 0) -> None:
     """A 1-process gloo group + parallel_state (TP 1) for launcher-free use; no-op if already set up."""
     if not dist.is_initialized():
         # a private address, not MASTER_ADDR/MASTER_PORT: jobs this process starts must not inherit them
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
         state = torch.get_rng_state()  # leave the caller's global stream (and its manual_seed) untouched
         init_rng(seed, cuda=False)
         torch.set_rng_state(state)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def destroy_distributed() -> None:

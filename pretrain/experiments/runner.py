@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from launch.env import free_port
 from pretrain.core.files import write_atomic
 from pretrain.experiments.grid import (FETCHED_TASKS, REPO, SCRATCH, Cell, StudyConfig, cell_row, cells, data_paths,
                                       pretrain_args)
@@ -78,7 +78,7 @@ def _run_timed(cmd: list[str], log_file: Path) -> tuple[int, float]:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     # a launcher-free job rendezvous on MASTER_PORT (default 29500): a free one, so concurrent cells and
     # other jobs on the machine do not collide (torchrun --standalone picks its own)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     with log_file.open("a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
@@ -92,11 +92,6 @@ def _run_timed(cmd: list[str], log_file: Path) -> tuple[int, float]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         return proc.returncode, usage.ru_utime + usage.ru_stime
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _SAY = threading.Lock()
