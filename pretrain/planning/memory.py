@@ -197,9 +197,11 @@ def _fused_attention_like_cuda(q, k, v, attn_mask=None, dropout_p=0.0, is_causal
 _SAVED_BY_KERNEL: list[torch.Tensor] = []
 
 
-def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int, device: str = "cuda") -> ActivationTrace:
-    """Bytes autograd saves in one training forward of `micro_batch` sequences, per region of the model."""
-    model = meta_model(cfg, tp, device)
+def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int, device: str = "cuda",
+                      model: torch.nn.Module | None = None) -> ActivationTrace:
+    """Bytes autograd saves in one training forward of `micro_batch` sequences, per region of the model
+    (`model`: meta_model(cfg, tp, device) when already built)."""
+    model = meta_model(cfg, tp, device) if model is None else model
     model.train()
     params = {id(p) for p in model.parameters()}
     seen: dict[int, tuple[int, str]] = {}
@@ -299,11 +301,11 @@ def estimate_memory(cfg: Config, tp: int, dp: int, micro_batch: int, target_leng
     """Bytes per GPU of the job `cfg` at TP `tp`, DP `dp` and `micro_batch` sequences per forward."""
     from pretrain.model.t5 import checkpointing_mode  # the trainer's reading of the setting
 
-    model = meta_model(cfg, tp)
+    model = meta_model(cfg, tp, device)  # the device sets code paths only: the same parameters either way
     num_params = sum(p.numel() for p in model.parameters())
     params, grads, opt = model_state_bytes(num_params, cfg.precision, cfg.zero.stage, dp, cfg.train.optimizer,
                                            _factored_elements(model))
-    trace = trace_activations(cfg, tp, micro_batch, target_length, device)
+    trace = trace_activations(cfg, tp, micro_batch, target_length, device, model)
     modes = {mode: activation_bytes(trace, mode) for mode in ("none", "full", "selective")}
     configured = modes[checkpointing_mode(cfg.train.activation_checkpointing)]
     buffers = _bucket_bytes(cfg) + (CUDA_RESERVE_BYTES if device == "cuda" else 0)
