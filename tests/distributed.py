@@ -122,32 +122,96 @@ def disk_full() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
 
 
-def launch_like_srun(world_size: int, code: str, argv: list[str], *, cwd: str | os.PathLike | None = None,
-                     preexec_fn: Callable[[], None] | None = None, hang_s: float = 900.0) -> list[tuple[int, str]]:
-    """`world_size` processes of `python -c code argv`, each with the launcher's variables as srun/torchrun set
-    them: [(exit code, stderr)] in rank order.
+def _launched(code: str, argv: list[str], env: dict, cwd: str | None, stderr_path: str,
+              preexec_fn: Callable[[], None] | None) -> None:
+    """One process of launch_like_srun, forked from the preloaded server: `python -c code argv` as the interpreter
+    runs it, in its own session, stderr to `stderr_path`; it exits with SystemExit's code (1 and the traceback on an
+    exception), after the non-daemon threads and atexit handlers, as the interpreter does."""
+    import atexit
+    import sys
+    import threading
 
-    `hang_s` only tells a hang from a slow run: a job whose processes have not all ended by then is killed and
-    the test fails saying so (it is no performance limit; the runs here take seconds).
+    os.setsid()
+    if preexec_fn is not None:
+        preexec_fn()
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    mp.set_start_method(None, force=True)  # the interpreter's default (fork), not the server's: a loader worker's
+    # parent must be its rank (the loader's workers end themselves when their parent is another process)
+    sys.argv = ["-c", *argv]
+    sys.path.insert(0, "")
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    threading._shutdown()  # what the interpreter does at exit: wait for the non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def launch_like_srun(world_size: int, code: str, argv: list[str], *, cwd: str | os.PathLike | None = None,
+                     preexec_fn: Callable[[], None] | None = None, hang_s: float = 900.0,
+                     fresh: bool = False) -> list[tuple[int, str]]:
+    """`world_size` processes of `python -c code argv`, each with the launcher's variables as srun/torchrun set
+    them: [(exit code, stderr)] in rank order (a negative code: killed by that signal).
+
+    Each process is forked from the session's preloaded server (as run_distributed's ranks are) and runs `code` as
+    the interpreter would, in its own session: the job as srun runs it, less each rank's ~12 s of CPU of start-up
+    imports. fresh=True starts new interpreters instead, for what happens during start-up. `preexec_fn` runs in
+    each process first (a module-level function: it travels by name). `hang_s` only tells a hang from a slow run:
+    a job whose processes have not all ended by then is killed and the test fails saying so (it is no performance
+    limit; the runs here take seconds).
     """
     import subprocess
     import sys
+    import tempfile
+    import time
 
     port = free_port()
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, *argv], cwd=cwd, start_new_session=True, text=True,
-                         stderr=subprocess.PIPE, preexec_fn=preexec_fn, env={
-                             **os.environ, "RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
-                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-        for r in range(world_size)
-    ]
-    results = []
-    try:
+    envs = [{**os.environ, "RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"} for r in range(world_size)]
+    if fresh:
+        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], cwd=cwd, start_new_session=True, text=True,
+                                  stderr=subprocess.PIPE, preexec_fn=preexec_fn, env=env) for env in envs]
+        results = []
+        try:
+            for p in procs:
+                _, err = p.communicate(timeout=hang_s)
+                results.append((p.returncode, err))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"the job hung: not every process ended within {hang_s:.0f} s") from None
+        return results
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as tmp:
+        errs = [os.path.join(tmp, f"stderr.{r}") for r in range(world_size)]
+        procs = [ctx.Process(target=_launched, args=(code, list(argv), env, str(cwd) if cwd else None, err, preexec_fn))
+                 for env, err in zip(envs, errs)]
         for p in procs:
-            _, err = p.communicate(timeout=hang_s)
-            results.append((p.returncode, err))
-    except subprocess.TimeoutExpired:
+            p.start()
+        deadline = time.monotonic() + hang_s
         for p in procs:
-            os.killpg(p.pid, 9)
-        raise AssertionError(f"the job hung: not every process ended within {hang_s:.0f} s") from None
-    return results
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.exitcode is None for p in procs):
+            for p in procs:
+                if p.exitcode is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.join()
+            raise AssertionError(f"the job hung: not every process ended within {hang_s:.0f} s")
+        return [(p.exitcode, open(err).read()) for p, err in zip(procs, errs)]

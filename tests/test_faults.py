@@ -385,7 +385,17 @@ def _catches(pid: int, sig: int) -> bool:
 
 
 def _ranks_of(launcher: subprocess.Popen) -> list[int]:
-    return [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid]
+    """The launcher's ranks that have started their own program: a child between the agent's fork and its exec
+    is a copy of the launcher, whose handlers it shows until exec resets them (a signal then killed it)."""
+    own = _cmdline(launcher.pid)
+    return [pid for pid, (_, parent) in _processes().items() if parent == launcher.pid and _cmdline(pid) != own]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _preempted_everywhere(run_dir: Path, ranks: int = 2) -> str:
