@@ -1,6 +1,6 @@
 """The tree reads as commands on top of packages (README's Layout): each package imports only the packages above
-it in README's table and never a command, no module import cycle, the map matches the files, and data/ imports
-neither the runtime nor the launchers."""
+it in README's table and never a command, no module import cycle, the map matches the files, data/ imports neither
+the runtime nor the launchers, and model/ does not import megatron's global parallel state."""
 import ast
 import re
 import subprocess
@@ -108,3 +108,11 @@ def test_data_imports_neither_the_runtime_nor_the_launchers():
              if name.split(".")[0] == "launch" or name.split(".")[:2] == ["pretrain", "runtime"]]
     assert imported and not wrong
 
+
+def test_the_model_takes_its_process_group_and_reads_no_global_one():
+    # megatron's global parallel state is read in pretrain/distributed/parallel.py, where the groups are made; the
+    # model gets its TP group from there once, at construction (tests/test_tensor_parallel.py runs it without)
+    imported = _imported("pretrain/model/*.py")
+    wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
+             if name == "megatron.core.parallel_state"]
+    assert imported and not wrong
