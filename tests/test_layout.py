@@ -106,7 +106,8 @@ def test_data_imports_neither_the_runtime_nor_the_launchers():
     imported = _imported("pretrain/data/*.py")
     wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
              if name.split(".")[0] == "launch" or name.split(".")[:2] == ["pretrain", "runtime"]]
-    assert imported and not wrong
+    assert imported
+    assert not wrong
 
 
 def test_the_model_takes_its_process_group_and_reads_no_global_one():
@@ -115,4 +116,5 @@ def test_the_model_takes_its_process_group_and_reads_no_global_one():
     imported = _imported("pretrain/model/*.py")
     wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
              if name == "megatron.core.parallel_state"]
-    assert imported and not wrong
+    assert imported
+    assert not wrong
