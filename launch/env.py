@@ -8,14 +8,14 @@ shared node do not collide.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Mapping
+
+from pretrain.core.signals import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -124,23 +124,6 @@ def export_torch_env(d: DistEnv) -> None:
         MASTER_ADDR=d.master_addr,
         MASTER_PORT=str(d.master_port),
     )
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(sig: int, parent: int | None = None) -> None:
-    """Ask the kernel for `sig` to this process when its parent dies, however it dies (SIGKILL, SIGABRT, the OOM
-    killer): no code of the parent needs to run. A parent gone before the request sends nothing, so then the
-    signal is sent here: `parent` is the parent's pid, if known (else an orphan shows as the child of pid 1).
-    Linux only (prctl); elsewhere nothing is done."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1 or parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), sig)
 
 
 def init_launcher_death_signal() -> None:

@@ -101,8 +101,7 @@ def test_resize_token_embeddings_keeps_the_trained_lm_head(exports, name):
     card = (folder / "README.md").read_text()
     if name == "vanilla":  # transformers 5 ties plain T5's lm_head on resize: the card says what to run first
         assert UNTIE in card
-        model = hf
-        exec(UNTIE)
+        exec(UNTIE, {"model": hf})  # the card's line, run as a user runs it on their `model`
     else:  # our remote-code class keeps lm_head out of the tied weights by itself
         assert UNTIE not in card
     ids, mask, dec = batch()

@@ -1,5 +1,6 @@
 """The tree reads as commands on top of packages (README's Layout): each package imports only the packages above
-it in README's table and never a command, no module import cycle, and the map matches the files."""
+it in README's table and never a command, no module import cycle, the map matches the files, data/ imports neither
+the runtime nor the launchers, and model/ does not import megatron's global parallel state."""
 import ast
 import re
 import subprocess
@@ -83,3 +84,37 @@ def test_no_module_import_cycle():
                     seen.add(dep)
                     todo.append(dep)
     assert not cycles
+
+
+def _imported(files: str) -> dict[str, set[str]]:
+    """file -> the modules its imports name (`from a.b import c`: a.b and a.b.c), for each file git lists as `files`."""
+    out = {}
+    for file in subprocess.run(["git", "ls-files", files], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split():
+        out[file] = set()
+        for node in ast.walk(ast.parse((ROOT / file).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                out[file].update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+            elif isinstance(node, ast.Import):
+                out[file].update(a.name for a in node.names)
+    return out
+
+
+def test_data_imports_neither_the_runtime_nor_the_launchers():
+    # data/ feeds the jobs from below: its loader workers and the prepare jobs need neither the runtime (DeepSpeed,
+    # the loop) nor the launchers; what they share with them (the preemption signals, die_with_parent) is core's
+    imported = _imported("pretrain/data/*.py")
+    wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
+             if name.split(".")[0] == "launch" or name.split(".")[:2] == ["pretrain", "runtime"]]
+    assert imported
+    assert not wrong
+
+
+def test_the_model_takes_its_process_group_and_reads_no_global_one():
+    # megatron's global parallel state is read in pretrain/distributed/parallel.py, where the groups are made; the
+    # model gets its TP group from there once, at construction (tests/test_tensor_parallel.py runs it without)
+    imported = _imported("pretrain/model/*.py")
+    wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
+             if name == "megatron.core.parallel_state"]
+    assert imported
+    assert not wrong

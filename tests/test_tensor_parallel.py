@@ -1,16 +1,19 @@
 """Tensor parallelism with real gloo process groups: for every mixer, the loss and every gradient (gathered
 to full shape) at TP=2 (and TP=2 x DP=2) equal the unsharded TP=1 model from the same seed (in float64, within 1e-5 relative); greedy
 decoding at TP=2 equals TP=1; TP shards merged by DeepSpeed's universal-checkpoint rules rebuild the
-full parameters. The 4-process run also checks the TP x DP layout and RNG streams (tests/test_parallel.py)."""
+full parameters. The 4-process run also checks the TP x DP layout and RNG streams (tests/test_parallel.py). A built
+model reads no global parallel state: it runs the same with megatron's TP state unset."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
 import torch
+from megatron.core import parallel_state
 
 from pretrain.core.config import ModelConfig, ParallelConfig
-from pretrain.model import build_local_model, build_model, full_state_dict, generate_greedy
+from pretrain.model import build_local_model, build_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.model import universal_checkpoint_info
 from tests.distributed import run_distributed
 from tests.test_parallel import assert_tp2_dp2_layout, layout_report
@@ -135,3 +138,55 @@ def test_tp2_dp2_layout_and_equality_to_tp1_per_data_shard():
     for rank, dp_rank in zip(range(4), (0, 0, 1, 1)):  # ranks [0, 1] are DP rank 0, [2, 3] DP rank 1
         _assert_equal_to_reference(out[rank][0], _reference(*variant[:3], variant[4], seed=dp_rank))
     assert out[0][0][0] != out[2][0][0]  # the DP ranks did see different data
+
+
+@contextlib.contextmanager
+def _megatron_tp_state_unset():
+    """megatron's global TP group, rank and size set to None: a read of any of them fails (megatron asserts that the
+    group is set), while the model's own group stays live."""
+    names = ("_TENSOR_MODEL_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK")
+    saved = {name: getattr(parallel_state, name) for name in names}
+    for name in names:
+        setattr(parallel_state, name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(parallel_state, name, value)
+
+
+def _unset_state_worker(rank: int, world: int, variants) -> list:
+    from pretrain.distributed.parallel import init_distributed
+
+    init_distributed(ParallelConfig(tensor=2, timeout_s=120), seed=0)
+    results = []
+    for enc, dec, per_head, ckpt, position_bias in variants:
+        for unset in (False, True):
+            torch.manual_seed(0)
+            model = build_model(_cfg(enc, dec, per_head, position_bias), activation_checkpointing=ckpt)
+            with _megatron_tp_state_unset() if unset else contextlib.nullcontext():
+                loss, grads = _step(model, seed=0)
+                model.eval()
+                ids, mask = _batch(0)[:2]
+                tokens = generate_greedy(model, ids, mask, max_new_tokens=6)
+                mixture = model.mixture_weights()
+                load_full_state_dict(model, full_state_dict(model))
+                results.append((loss, grads, tokens, mixture, full_state_dict(model)))
+    return results
+
+
+def test_the_model_reads_no_global_parallel_state_after_it_is_built():
+    # the model keeps the TP group build_model gave it: its forward and backward (a shared and a per-head mixture
+    # weight, selective recompute), greedy decoding, mixture weights and the full state dict in both directions
+    # give the same at TP 2 with megatron's global TP state unset as with it set
+    variants = [("random+dense+vanilla", "random+vanilla", True, "selective", "all"),
+                ("dense+vanilla", "random+vanilla", False, False, "vanilla")]
+    for results in run_distributed(_unset_state_worker, 2, variants):
+        for with_state, without in zip(results[::2], results[1::2]):
+            assert all(_equal(a, b) for a, b in zip(with_state, without))
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

@@ -25,16 +25,15 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import DataLoader
 
-from launch.env import die_with_parent
 from pretrain.core.config import DataConfig, UsageError
 from pretrain.core.redact import redact
+from pretrain.core.signals import PREEMPTION_SIGNALS, die_with_parent
 from pretrain.data.damage import DamagedShards
 from pretrain.data.remote import Retry
 from pretrain.data.shards import FORMAT_VERSION, expand_shards, read_index
 from pretrain.data.sources import ONE_SOURCE, Sources, WorkerRows, changes, source_seed
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.data.stream import StreamSpec, collate, epoch_progress, examples, start_position
-from pretrain.runtime.faults import PREEMPTION_SIGNALS
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """Process groups: torch.distributed + megatron-core `parallel_state` (TP x DP), the TP-aware RNG, and the
-`mpu` adapter DeepSpeed needs. The one module that touches megatron's global parallel state at setup.
+`mpu` adapter DeepSpeed needs. The one module that touches megatron's global parallel state at setup; the model
+takes its TP group from here (`tensor_parallel_group`) once, at construction.
 
 Layout (megatron's): TP groups are consecutive ranks, DP groups are strided. World 4, TP 2: TP groups
 [0, 1], [2, 3]; DP groups [0, 2], [1, 3].
@@ -132,6 +133,15 @@ def init_distributed(cfg: ParallelConfig, seed: int) -> ParallelDims:
     )
     log.info("process groups ready: %s, backend %s, source %s", dims, backend, env.source)
     return dims
+
+
+def tensor_parallel_group() -> dist.ProcessGroup:
+    """This rank's TP group, handed to the model at construction (`pretrain.model.build_model`): the model's forwards
+    and helpers use the group and the rank and size it took then, and read no global state (Megatron's own rule for
+    its library code: process groups come from the caller, not from `parallel_state`)."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("no process groups yet: call init_distributed() first (or init_single_process())")
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def init_single_process(seed: int = 0) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core import ModelParallelConfig, parallel_state
+from megatron.core import ModelParallelConfig
 
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.generation import generate_greedy
@@ -16,7 +16,7 @@ from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
 from pretrain.model.loss import IGNORE_INDEX
 from pretrain.model.t5 import T5Model, T5Output, checkpointing_mode, vocab_parallel_argmax
-from pretrain.distributed.parallel import check_parallel, init_single_process
+from pretrain.distributed.parallel import check_parallel, init_single_process, tensor_parallel_group
 
 __all__ = [
     "MIXERS", "IGNORE_INDEX", "T5Model", "T5Output", "build_model", "build_local_model", "check_model",
@@ -54,7 +54,7 @@ def check_model(cfg: ModelConfig, tp: int = 1) -> None:
 
 def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none", compile: bool = False,
                 sdpa: bool | None = None, device: torch.device | str = "cpu") -> T5Model:
-    """The model for this rank (its TP shard), in fp32 on `device`, from megatron's parallel state.
+    """The model for this rank (its TP shard), in fp32 on `device`, on the job's TP group (which it keeps).
 
     Every rank draws the full weights from `device`'s generator one parameter at a time and keeps its slice,
     so TP=N and TP=1 start as the same function given the same `torch.manual_seed` (on one device type: CUDA
@@ -63,9 +63,8 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
     selective (true/false: full/none); compile: torch.compile each encoder and decoder layer; sdpa: None picks
     SDPA or materialised logits for vanilla attention by device, True / False force one (see attention.py).
     """
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("build_model needs init_distributed() first (or use build_local_model)")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_group = tensor_parallel_group()  # the one read of the job's groups: the model keeps it (and its rank, size)
+    tp = tp_group.size()
     check_model(cfg, tp)
     if cfg.vocab_size == 0:
         raise ValueError("model.vocab_size is 0 (the tokenizer's ids): resolve it with with_vocab before building")
@@ -73,8 +72,7 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
     )
     with torch.device(device):
-        model = T5Model(cfg, mp_config, parallel_state.get_tensor_model_parallel_rank(), tp,
-                        checkpointing_mode(activation_checkpointing), sdpa)
+        model = T5Model(cfg, mp_config, tp_group, checkpointing_mode(activation_checkpointing), sdpa)
     if compile:
         model.compile_layers()
     return model

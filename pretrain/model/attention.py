@@ -27,8 +27,9 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
@@ -127,8 +128,12 @@ class SelfAttention(nn.Module):
     """Self-attention whose logits are a softmax-weighted mixture of the configured mixers."""
 
     def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], mp_config, tp_rank: int, tp: int,
-                 sdpa: bool | None = None, recompute: bool = False) -> None:
+                 sdpa: bool | None = None, recompute: bool = False,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        """tp_group: the group of TP rank `tp_rank` of `tp` (None only at TP 1: a layer built alone, in a test)."""
         super().__init__()
+        assert tp_group is not None or tp == 1, "a TP-sharded SelfAttention needs its tp_group"
+        self.tp, self.tp_group = tp, tp_group
         self.mixers = mixers
         self.sdpa = sdpa if "vanilla" in mixers else False  # None: by device, see the module docstring
         self.recompute = recompute  # selective activation recompute of the core (logits, softmax, @ V)
@@ -253,12 +258,12 @@ class SelfAttention(nn.Module):
         return probs @ v  # [b, heads/tp, n, d_kv]
 
     def _alpha(self) -> torch.Tensor:
-        if self.mix.dim() == 1:
+        if self.mix.dim() == 1 and self.tp > 1:
             # one weight vector shared by all heads: each TP rank sees only its heads' gradient, so the
             # gradient is summed over TP (fwd: identity, bwd: all-reduce) to keep the replicas identical; the
             # group is passed, as megatron warns at every call without one (a torch.compile graph break)
-            group = parallel_state.get_tensor_model_parallel_group()
-            return torch.softmax(tensor_parallel.copy_to_tensor_model_parallel_region(self.mix, group), dim=-1)
+            mix = tensor_parallel.copy_to_tensor_model_parallel_region(self.mix, self.tp_group)
+            return torch.softmax(mix, dim=-1)
         return torch.softmax(self.mix, dim=-1)
 
 

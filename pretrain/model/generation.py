@@ -38,7 +38,7 @@ def generate_greedy(model: T5Model, input_ids: torch.Tensor, attention_mask: tor
             logits = model.decode(ids[:, -1:], memory, attention_mask, caches=caches)  # [b, 1, V/tp]
         else:
             logits = model.decode(ids, memory, attention_mask)[:, -1:]  # [b, 1, V/tp]
-        nxt = vocab_parallel_argmax(logits)[:, 0].masked_fill(done, PAD_ID)
+        nxt = vocab_parallel_argmax(logits, model.tp_group)[:, 0].masked_fill(done, PAD_ID)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         done |= nxt == eos_id
         finished = done.all().int()

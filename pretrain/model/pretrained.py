@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from megatron.core import parallel_state
 from safetensors import safe_open
 
 from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import mismatched
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
-from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
+from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter, is_tp_sharded
 from pretrain.model.t5 import T5Model
 from tokenizer.spm import SPIECE, tokenizer_file
 
@@ -138,11 +137,11 @@ def _source(name: str, vanilla: dict[str, Source]) -> Source:
     return ((hf,), lambda ts: ts[0]) if hf else ((name,), lambda ts: ts[0])
 
 
-def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The parameter's TP 1 shape (vocabulary parameters: any number of rows, compared apart)."""
+def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """The TP 1 shape of a parameter of a TP `tp` model (vocabulary parameters: any number of rows, compared apart)."""
     shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    if is_tp_sharded(param):
+        shape[param.partition_dim] *= tp
     return tuple(shape)
 
 
@@ -163,7 +162,7 @@ def _plan(model: T5Model, weights: WeightFolder, resize_vocab: bool) -> tuple[di
     for name, param in model.named_parameters():
         names, combine = _source(name, vanilla)
         vocab = name in VOCAB_PARAMETERS
-        if not _fits(weights, names, combine, _full_shape(param), vocab):
+        if not _fits(weights, names, combine, _full_shape(param, model.tp), vocab):
             fresh.append(name)
             continue
         if vocab:
@@ -226,6 +225,6 @@ def load_weights(model: T5Model, folder: str | Path, strict: bool = False, resiz
     """Copy every tensor of `folder` that fits into this rank's shards of `model` (any TP, on any device); all TP
     ranks read the same folder, each keeping its slice."""
     with open_weights(model, folder, strict, resize_vocab) as (report, tensors):
-        for name, param, full in tensors:
-            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None)
+        for name, _, full in tensors:
+            copy_full_parameter(model, name, full)
     return report

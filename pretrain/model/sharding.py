@@ -13,10 +13,10 @@ import re
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import nn
 
 from pretrain.core.config import UsageError
+from pretrain.model.t5 import T5Model
 
 VOCAB_PARAMETERS = ("embed.weight", "lm_head.weight")
 
@@ -32,34 +32,33 @@ def _split(param: torch.Tensor) -> tuple[int | None, int]:
     return param.partition_dim, param.partition_stride
 
 
-def _gather(shard: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+def _gather(shard: torch.Tensor, dim: int, stride: int, group: dist.ProcessGroup) -> torch.Tensor:
+    tp = group.size()
     parts = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(parts, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(parts, shard.contiguous(), group=group)
     pieces = [p.chunk(stride, dim=dim) for p in parts]  # [rank][sub-parameter]
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
 
 
-def _shard(full: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+def _shard(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp: int) -> torch.Tensor:
     subs = full.chunk(stride, dim=dim)
-    return torch.cat([s.chunk(tp, dim=dim)[rank] for s in subs], dim=dim)
+    return torch.cat([s.chunk(tp, dim=dim)[tp_rank] for s in subs], dim=dim)
 
 
-def full_state_dict(model: nn.Module, grads: bool = False, clone: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) gathered to its TP=1 shape, the vocabulary parameters cut to the
-    token ids (`model.config.vocab_size` rows: the padding to 128 x TP is the layout's, not the model's), so the
-    result is the same whatever TP holds the model; all TP ranks must call together. `clone=False`: at TP 1 the
-    tensors are views of the parameters (for readers that copy anyway, such as an export)."""
+def full_state_dict(model: T5Model, grads: bool = False, clone: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) gathered to its TP=1 shape over the model's TP group, the vocabulary
+    parameters cut to the token ids (`model.config.vocab_size` rows: the padding to 128 x TP is the layout's, not
+    the model's), so the result is the same whatever TP holds the model; all TP ranks must call together.
+    `clone=False`: at TP 1 the tensors are views of the parameters (for readers that copy anyway, such as an
+    export)."""
     out = {}
     for name, param in model.named_parameters():
         t = param.grad if grads else param.detach()
         if t is None:
             t = torch.zeros_like(param)
         dim, stride = _split(param)
-        whole = dim is None or parallel_state.get_tensor_model_parallel_world_size() == 1
-        full = t if whole else _gather(t, dim, stride)
+        whole = dim is None or model.tp == 1
+        full = t if whole else _gather(t, dim, stride, model.tp_group)
         if name in VOCAB_PARAMETERS:
             full = full[: model.config.vocab_size]
         out[name] = full.clone() if clone else full
@@ -67,27 +66,28 @@ def full_state_dict(model: nn.Module, grads: bool = False, clone: bool = True) -
 
 
 @torch.no_grad()
-def copy_full_parameter(param: torch.Tensor, full: torch.Tensor, vocab_size: int | None = None,
-                        into: torch.Tensor | None = None) -> None:
-    """Copy a parameter's full (TP=1) value into this rank's shard of it (`into`: another tensor of the shard's
-    shape, such as its fp32 master copy; default the parameter). A vocabulary parameter (`vocab_size` given)
+def copy_full_parameter(model: T5Model, name: str, full: torch.Tensor, into: torch.Tensor | None = None) -> None:
+    """Copy the full (TP=1) value of the model's parameter `name` into this rank's shard of it (`into`: another
+    tensor of the shard's shape, such as its fp32 master copy; default the parameter). A vocabulary parameter
     takes the first min(rows, vocab_size) token rows of `full`; rows from there up to vocab_size are left as
     they are (a resized vocabulary keeps its fresh rows) and this TP's padding rows are zero, as the model
     initialises them."""
+    param = model.get_parameter(name)
     target = param if into is None else into
-    if vocab_size is not None:  # rows split in rank order (stride 1)
-        start = parallel_state.get_tensor_model_parallel_rank() * target.shape[0]
+    if name in VOCAB_PARAMETERS:  # rows split in rank order (stride 1)
+        vocab_size = model.config.vocab_size
+        start = model.tp_rank * target.shape[0]
         end = min(start + target.shape[0], len(full), vocab_size)
         if end > start:
             target[: end - start].copy_(full[start:end])
         target[max(vocab_size - start, 0):].zero_()
         return
     dim, stride = _split(param)
-    target.copy_(full if dim is None else _shard(full, dim, stride))
+    target.copy_(full if dim is None else _shard(full, dim, stride, model.tp_rank, model.tp))
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], assign: bool = False) -> None:
+def load_full_state_dict(model: T5Model, state: dict[str, torch.Tensor], assign: bool = False) -> None:
     """Copy a TP=1 state dict into this rank's shards (names must match exactly). Vocabulary parameters may
     come with any number of rows from the token ids up (an export, or a checkpoint gathered at another TP):
     their token rows are kept and the padding rows of this TP are zero, as the model initialises them.
@@ -97,12 +97,11 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], assig
     if set(params) != set(state):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
         raise UsageError(f"the weights do not match the model config: missing {missing[:3]}, unexpected {extra[:3]}")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if assign and tp != 1:
-        raise ValueError(f"load_full_state_dict(assign=True) needs a TP 1 model, this one is TP {tp}")
+    if assign and model.tp != 1:
+        raise ValueError(f"load_full_state_dict(assign=True) needs a TP 1 model, this one is TP {model.tp}")
     if not assign:
-        for name, param in params.items():
-            copy_full_parameter(param, state[name], model.config.vocab_size if name in VOCAB_PARAMETERS else None)
+        for name in params:
+            copy_full_parameter(model, name, state[name])
         return
     whole = {}
     for name, param in params.items():

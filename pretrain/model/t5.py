@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from torch import nn
 
@@ -24,7 +24,7 @@ from pretrain.model.init import init_scope, model_init
 from pretrain.model.layers import ColumnLinear, RowLinear
 from pretrain.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from pretrain.model.mixers import parse_mixers
-from pretrain.distributed.parallel import padded_vocab_size
+from pretrain.distributed.parallel import padded_vocab_size, tensor_parallel_group
 
 
 @dataclass
@@ -85,12 +85,13 @@ class GatedFFN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], is_decoder: bool, mp_config, tp_rank: int, tp: int,
-                 sdpa: bool | None, recompute_attention: bool):
+    def __init__(self, cfg: ModelConfig, mixers: tuple[str, ...], is_decoder: bool, mp_config,
+                 tp_group: dist.ProcessGroup, sdpa: bool | None, recompute_attention: bool):
         super().__init__()
+        tp = tp_group.size()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         with init_scope("attn"):
-            self.attn = SelfAttention(cfg, mixers, mp_config, tp_rank, tp, sdpa, recompute_attention)
+            self.attn = SelfAttention(cfg, mixers, mp_config, tp_group.rank(), tp, sdpa, recompute_attention, tp_group)
         if is_decoder:
             self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
             with init_scope("cross"):
@@ -120,19 +121,19 @@ class Stack(nn.Module):
     """Encoder or decoder: relative bias computed once and shared by all layers, final RMSNorm."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int, mixers: tuple[str, ...], is_decoder: bool,
-                 mp_config, tp_rank: int, tp: int, activation_checkpointing: str, sdpa: bool | None) -> None:
+                 mp_config, tp_group: dist.ProcessGroup, activation_checkpointing: str, sdpa: bool | None) -> None:
         super().__init__()
         # where T5's relative bias goes (model.position_bias): after mixing, on Q K^T before mixing, or nowhere
         self.bias_placement = bias_placement(cfg.position_bias, mixers)
         self.relative_bias = None
         if self.bias_placement:
             with init_scope("relative_bias"):
-                self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_rank, tp)
+                self.relative_bias = RelativePositionBias(cfg, not is_decoder, tp_group.rank(), tp_group.size())
         selective = activation_checkpointing == "selective"
         self.layers = nn.ModuleList()
         for i in range(num_layers):
             with init_scope(f"layers.{i}"):
-                self.layers.append(Block(cfg, mixers, is_decoder, mp_config, tp_rank, tp, sdpa, selective))
+                self.layers.append(Block(cfg, mixers, is_decoder, mp_config, tp_group, sdpa, selective))
         self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.dropout = cfg.dropout
         self.activation_checkpointing = activation_checkpointing == "full"  # whole layers
@@ -190,11 +191,14 @@ def causal_mask(n: int, start: int, pad: torch.Tensor | None, dtype: torch.dtype
 
 
 class T5Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, mp_config, tp_rank: int, tp: int, activation_checkpointing: str = "none",
-                 sdpa: bool | None = None) -> None:
-        """activation_checkpointing: none, full (whole layers) or selective (core attention); sdpa: see attention.py."""
+    def __init__(self, cfg: ModelConfig, mp_config, tp_group: dist.ProcessGroup,
+                 activation_checkpointing: str = "none", sdpa: bool | None = None) -> None:
+        """tp_group: this rank's TP group (a ProcessGroup, or anything with its `size()` and `rank()`: the planner's
+        stand-in), kept with its rank and size for the forwards and helpers, which read no global parallel state;
+        activation_checkpointing: none, full (whole layers) or selective (core attention); sdpa: see attention.py."""
         super().__init__()
         self.config = cfg
+        self.tp_group, self.tp_rank, self.tp = tp_group, tp_group.rank(), tp_group.size()
         self.mixers = {
             "encoder": parse_mixers(cfg.encoder_attention, "model.encoder_attention"),
             "decoder": parse_mixers(cfg.decoder_attention, "model.decoder_attention"),
@@ -202,7 +206,7 @@ class T5Model(nn.Module):
         f = cfg.initializer_factor
         # vocabulary rows padded to a multiple of 128 x TP; the padding rows are zero and their logits masked,
         # and only the real rows draw from the RNG, so every TP starts from the same function
-        rows = padded_vocab_size(cfg.vocab_size, tp)
+        rows = padded_vocab_size(cfg.vocab_size, self.tp)
 
         def init_vocab(w: torch.Tensor) -> None:  # w: the full [rows, d] master weight
             nn.init.normal_(w[: cfg.vocab_size], 0.0, f)
@@ -214,11 +218,11 @@ class T5Model(nn.Module):
             with init_scope("embed"):
                 self.embed = VocabParallelEmbedding(rows, cfg.d_model, config=mp_config, init_method=init_vocab)
             with init_scope("encoder"):
-                self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_rank, tp,
+                self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_group,
                                      activation_checkpointing, sdpa)
             with init_scope("decoder"):
-                self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_rank,
-                                     tp, activation_checkpointing, sdpa)
+                self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_group,
+                                     activation_checkpointing, sdpa)
             with init_scope("lm_head"):
                 self.lm_head = ColumnLinear(
                     cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
@@ -248,7 +252,7 @@ class T5Model(nn.Module):
         start = caches[0].get("len", 0) if caches else 0
         mask = causal_mask(h.shape[1], start, decoder_attention_mask, h.dtype, h.device)
         h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
-        return mask_vocab_padding(self.lm_head(h), self.config.vocab_size)
+        return mask_vocab_padding(self.lm_head(h), self.config.vocab_size, self.tp_rank)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -262,7 +266,7 @@ class T5Model(nn.Module):
         if labels is None:
             return T5Output(None, logits, None)
         valid = labels != IGNORE_INDEX
-        losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~valid, 0))  # [b, m], logits kept
+        losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~valid, 0), self.tp_group)  # [b, m]
         num_tokens = valid.sum()
         loss = (losses * valid).sum() / num_tokens.clamp(min=1)
         return T5Output(loss, logits, num_tokens)
@@ -284,39 +288,40 @@ class T5Model(nn.Module):
             for i, layer in enumerate(getattr(self, stack_name).layers):
                 if hasattr(layer.attn, "mix"):
                     w = layer.attn.mixture_weights().detach()
-                    out[f"{stack_name}.layers.{i}"] = _gather_heads(w) if w.dim() == 2 else w
+                    out[f"{stack_name}.layers.{i}"] = self._gather_heads(w) if w.dim() == 2 else w
         return out
 
+    def _gather_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[heads/tp, ...] of every TP rank -> [heads, ...]."""
+        if self.tp == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=0)
 
-def _gather_heads(t: torch.Tensor) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=0)
 
-
-def mask_vocab_padding(logits: torch.Tensor, num_ids: int) -> torch.Tensor:
-    """This rank's logits [b, m, rows/tp] with the padding rows (ids >= num_ids) at the dtype's minimum: they
-    take no probability, no gradient and no argmax, so re-padding for another TP changes nothing."""
+def mask_vocab_padding(logits: torch.Tensor, num_ids: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s logits [b, m, rows/tp] with the padding rows (ids >= num_ids) at the dtype's minimum:
+    they take no probability, no gradient and no argmax, so re-padding for another TP changes nothing."""
     per_rank = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+    start = tp_rank * per_rank
     if start + per_rank <= num_ids:
         return logits
     ids = torch.arange(start, start + per_rank, device=logits.device)
     return logits.masked_fill(ids >= num_ids, torch.finfo(logits.dtype).min)
 
 
-def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Global token ids [b, m] of the maximum over the TP-sharded vocabulary (ties: the lowest id)."""
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global token ids [b, m] of the maximum over the vocabulary sharded over `tp_group` (ties: the lowest id).
+    Pass the model's `tp_group`; None takes the job's from pretrain.distributed (the fallback of a caller that does
+    not pass one yet: pretrain/train.py's evaluation)."""
+    group = tensor_parallel_group() if tp_group is None else tp_group
     local_idx = logits.argmax(dim=-1)  # [b, m]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = group.size()
     if tp == 1:
         return local_idx
-    group = parallel_state.get_tensor_model_parallel_group()
     local_max = logits.gather(-1, local_idx[..., None]).squeeze(-1)
-    global_idx = local_idx + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    global_idx = local_idx + group.rank() * logits.shape[-1]
     maxes, idxs = [torch.empty_like(local_max) for _ in range(tp)], [torch.empty_like(global_idx) for _ in range(tp)]
     dist.all_gather(maxes, local_max.contiguous(), group=group)
     dist.all_gather(idxs, global_idx.contiguous(), group=group)

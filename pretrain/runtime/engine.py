@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from pretrain.core.config import TrainConfig, UsageError, ZeroConfig
 from pretrain.model.pretrained import open_weights
-from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter
+from pretrain.model.sharding import copy_full_parameter
 from pretrain.distributed.parallel import deepspeed_mpu
 from pretrain.runtime.schedule import SCHEDULES, build_scheduler
 
@@ -259,5 +259,5 @@ def load_master_weights(engine: deepspeed.DeepSpeedEngine, folder: str | Path, r
             value = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
             if value.shape == param.shape:  # not a ZeRO 3 partition: rows a resized vocabulary leaves keep theirs
                 value.copy_(param)
-            copy_full_parameter(param, full, model.config.vocab_size if name in VOCAB_PARAMETERS else None, into=value)
+            copy_full_parameter(model, name, full, into=value)
             safe_set_full_fp32_param(param, value)

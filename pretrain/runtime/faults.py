@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from pretrain.core.config import UsageError, print_error
 from pretrain.distributed.parallel import destroy_distributed
-# the signals and their record live in pretrain.runtime.preemption (light: installed before torch is imported);
+# the signals live in pretrain.core.signals and their record in pretrain.runtime.preemption (both light: installed
+# before torch is imported);
 # PREEMPTION_SIGNALS and PreemptionFlag are also importable from here
 from pretrain.runtime.preemption import PREEMPTION_SIGNALS, PreemptionFlag, received_signal, stop_watching  # noqa: F401
 

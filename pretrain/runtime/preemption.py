@@ -14,8 +14,7 @@ from __future__ import annotations
 import signal
 import types
 
-# Ctrl-C too: an interactive user stopping a run loses no more than a scheduler's SIGTERM does
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+from pretrain.core.signals import PREEMPTION_SIGNALS
 
 
 class PreemptionFlag:
