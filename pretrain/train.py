@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 import yaml
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from pretrain.core.files import write_atomic
 from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
 from pretrain.core.config import Config, parse_args, save_config, to_yaml
-from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
+from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards
 from pretrain.runtime.engine import build_engine, load_master_weights
 from pretrain.runtime.faults import run_with_exit_codes, stop_if_preempted
@@ -35,7 +33,8 @@ from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_loggin
 from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import build_profiler
-from pretrain.model import IGNORE_INDEX, build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
+from pretrain.runtime.validation import ValidationLoss, sum_over_dp
+from pretrain.model import build_model, universal_checkpoint_info, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
 from pretrain.distributed.parallel import ParallelDims, init_distributed
@@ -43,50 +42,6 @@ from pretrain.planning.planner import check_job, check_memory, with_layout
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.train")
-
-
-class ValidationLoss:
-    """Loss and token accuracy on fixed validation slices (the same batches every time), every `every` steps:
-    `eval_loss` on data.valid's, `eval_loss/NAME` on each source's `valid` ({"": data.valid's, NAME: ...}). Without
-    data.valid, when every source of a mixture has a `valid`, `eval_loss` is their mean at the mixture's `weights`:
-    the expected loss of an example of the mixture (every example has as many tokens)."""
-
-    def __init__(self, engine, slices: dict[str, EvalLoader], every: int, dims: ParallelDims,
-                 weights: dict[str, float]) -> None:
-        self.engine, self.slices, self.every, self.dims, self.weights = engine, slices, every, dims, weights
-
-    def due(self, step: int, final: bool) -> bool:
-        return bool(self.every) and step % self.every == 0
-
-    @torch.no_grad()
-    def __call__(self, step: int, final: bool) -> dict[str, float]:
-        self.engine.eval()
-        result = {}
-        for name, batches in self.slices.items():
-            sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
-            for batch in to_device(batches, self.dims.device):
-                stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
-                out = self.engine(**batch)
-                valid = batch["labels"] != IGNORE_INDEX
-                correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
-                sums += torch.stack([out.loss.double() * out.num_tokens, correct.double(), out.num_tokens.double()])
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-            loss, accuracy = (sums[:2] / sums[2]).tolist()
-            result[f"eval_loss/{name}" if name else "eval_loss"] = loss
-            result[f"eval_accuracy/{name}" if name else "eval_accuracy"] = accuracy
-        self.engine.train()
-        if "" not in self.slices and self.weights and self.weights.keys() <= self.slices.keys():
-            for key in ("eval_loss", "eval_accuracy"):
-                result[key] = sum(w * result[f"{key}/{name}"] for name, w in self.weights.items())
-        log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        return result
-
-
-def sum_over_dp(values: list[float], device: torch.device) -> list[float]:
-    """`values` added up over the DP ranks (the loader's per-source epochs: each rank knows its own streams)."""
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return total.tolist()
 
 
 def start_from_init(model: torch.nn.Module, cfg: Config, dims: ParallelDims, run_dir: Path) -> None:

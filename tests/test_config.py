@@ -73,7 +73,7 @@ def test_user_mistakes_are_one_line(override, expected):
     ("eval.method=beam", "eval.method 'beam' is not one of generate, rank, both"),
 ])
 def test_finetuning_takes_the_same_rules(override, expected):
-    from pretrain.finetune import FinetuneConfig  # shares run, parallel, train, log, checkpoint with Config
+    from pretrain.core.finetune_config import FinetuneConfig  # shares run, parallel, train, log, checkpoint with Config
 
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(FinetuneConfig, "configs/finetune/sst2.yaml", [override])

@@ -15,7 +15,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2
 
 from pretrain.core.config import Config, UsageError, load_config
-from pretrain.finetune import FinetuneConfig
+from pretrain.core.finetune_config import FinetuneConfig
 from pretrain.model import build_local_model
 from pretrain.model.pretrained import foreign_tokenizer
 from pretrain.runtime.schedule import FINETUNE_LR_AT_WIDTH_64, with_finetune_lr
