@@ -51,6 +51,9 @@ class ExampleStream:
         saved = state["ranks"][0]
         self.epoch, self.position = saved["epoch"], saved["examples"] // (self.micro * self.dp)
 
+    def close(self) -> None:
+        """Nothing to release: the rows are in memory (pretraining's loader stops its workers here)."""
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         per_slice = self.micro * self.dp
         while True:
