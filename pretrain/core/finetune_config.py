@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pretrain.core.config import (CheckpointConfig, ConfigError, LogConfig, ParallelConfig, ProfileConfig, RunConfig,
-                                  TrainConfig, ZeroConfig, check_at_least)
+from pretrain.core.config import (PRECISIONS, CheckpointConfig, ConfigError, LogConfig, ParallelConfig, ProfileConfig,
+                                  RunConfig, TrainConfig, ZeroConfig, check_at_least, check_choice)
 
 METHODS = ("generate", "rank", "both")  # evaluation methods (pretrain.transfer.evaluation)
 
@@ -22,6 +22,8 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_at_least("task", self, {"max_input_length": 2, "train_examples": 0})  # inputs: a token and EOS
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"task.dropout ({self.dropout}) must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,7 @@ class FinetuneEvalConfig:
 
     def __post_init__(self) -> None:
         check_at_least("eval", self, {"batch": 1})
-        if self.method not in METHODS:
-            raise ConfigError(f"eval.method '{self.method}' is not one of {', '.join(METHODS)}")
+        check_choice("eval.method", self.method, METHODS)
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,6 @@ class FinetuneConfig:
     log: LogConfig = field(default_factory=LogConfig)
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("precision", self.precision, ("auto", *PRECISIONS))
