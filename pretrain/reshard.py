@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.runtime.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume, usable_universal
+from pretrain.runtime.checkpoint import UNIVERSAL_SUFFIX
+from pretrain.runtime.resume import convert_to_universal, find_resume, usable_universal
 from pretrain.core.config import CheckpointConfig, UsageError
 from pretrain.core.progress import progress
 

@@ -19,12 +19,13 @@ import yaml
 from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
 from pretrain.distributed.parallel import ParallelDims, init_distributed
 from pretrain.model import universal_checkpoint_info
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.runtime.loop import Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import Profiler, build_profiler
+from pretrain.runtime.resume import find_resume, prepare_resume
 from pretrain.runtime.run_lock import RunLock
 
 log = logging.getLogger(__name__)
