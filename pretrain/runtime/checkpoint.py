@@ -56,6 +56,11 @@ INPUTS, TOKENIZER = "inputs.json", "spiece.model"
 UNIVERSAL_SUFFIX = "_universal"
 
 
+def universal_path(path: Path) -> Path:
+    """Where checkpoint `path` (step_N) has its universal conversion: beside it, step_N_universal."""
+    return path.parent / (path.name + UNIVERSAL_SUFFIX)
+
+
 class DataStateful(Protocol):
     """A data stream: `state_dict()` is this DP rank's part; `load_state_dict({"ranks": [...]})` gets the parts of
     every DP rank of the saving run, so it can continue on another DP size."""
@@ -86,14 +91,12 @@ class Progress:
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What `pretrain.runtime.resume.prepare_resume` decided: the checkpoint folder, its state, and where DeepSpeed
-    loads from."""
+    """What `pretrain.runtime.resume.plan_resume` decided: the checkpoint folder, its state, and whether DeepSpeed
+    loads its universal conversion."""
 
-    path: Path
+    path: Path  # checkpoints/step_N
     state: dict  # trainer_state.json: the Progress fields, tp, dp, precision, zero_stage (not in older ones)
-    load_dir: Path  # the folder above DeepSpeed's tag folder
-    load_tag: str  # step_N, or step_N_universal when the layout changed
-    universal: bool
+    universal: bool  # load its universal conversion beside it, step_N_universal (the layout changed)
 
 
 def sha256_of(file: Path) -> str:
@@ -200,7 +203,7 @@ class CheckpointManager:
         if self.dims.rank == 0:
             # leftovers of a save that died at this very step, and a universal copy of an older save of it
             shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(self.root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+            shutil.rmtree(universal_path(path), ignore_errors=True)
         dist.barrier()
         self._make_folder(path)
         with self._storage_failures(path):
@@ -396,13 +399,14 @@ class CheckpointManager:
             step = step_of(p.name)
             if step is not None and p.name not in keep and (step in complete or step < complete[-1]):
                 shutil.rmtree(p, ignore_errors=True)
-                shutil.rmtree(self.root / (p.name + UNIVERSAL_SUFFIX), ignore_errors=True)
+                shutil.rmtree(universal_path(p), ignore_errors=True)
 
     def load(self, plan: ResumePlan) -> None:
         """Restore engine (weights, optimizer, LR schedule), progress, RNG and data position in place."""
-        load_path, _ = self.engine.load_checkpoint(str(plan.load_dir), tag=plan.load_tag)
+        tag = universal_path(plan.path).name if plan.universal else plan.path.name
+        load_path, _ = self.engine.load_checkpoint(str(plan.path.parent), tag=tag)
         if load_path is None:
-            raise UsageError(f"DeepSpeed found no checkpoint in {plan.load_dir / plan.load_tag}")
+            raise UsageError(f"DeepSpeed found no checkpoint in {plan.path.parent / tag}")
         self.progress.load_state_dict(plan.state)
         # on another layout the generators start fresh: there is no rank-to-rank mapping
         if (plan.state["tp"], plan.state["dp"]) == (self.dims.tp, self.dims.dp):

@@ -25,7 +25,7 @@ from pretrain.runtime.faults import stop_if_preempted
 from pretrain.runtime.loop import Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import Profiler, build_profiler
-from pretrain.runtime.resume import find_resume, prepare_resume
+from pretrain.runtime.resume import plan_resume
 from pretrain.runtime.run_lock import RunLock
 
 log = logging.getLogger(__name__)
@@ -147,9 +147,8 @@ def run_job(job: Job, dims: ParallelDims) -> int:
     try:
         # 1. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
         #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs ---------
-        resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
-        plan = prepare_resume(resume, job.model_cfg, job.inputs, dims, cfg.parallel.timeout_s,
-                              precision=cfg.precision, zero_stage=cfg.zero.stage) if resume else None
+        plan = plan_resume(cfg.checkpoint, root, job.model_cfg, job.inputs, dims, cfg.parallel.timeout_s,
+                           precision=cfg.precision, zero_stage=cfg.zero.stage)
 
         # 2. Model (this rank's TP shard), then the engine, whose bf16/fp16 master weights start from the job's
         #    fp32 weights, not from the cast module; a resume restores its own ------------------------------------

@@ -27,12 +27,22 @@ from pretrain.core.config import MODEL_KEYS_ADDED, CheckpointConfig, ModelConfig
 from pretrain.core.manifest import (check_complete, check_intact, complete_steps, damaged_parts, describe,
                                     missing_parts, newest_intact, tag_for, write_marker)
 from pretrain.distributed.parallel import ParallelDims
-from pretrain.runtime.checkpoint import UNIVERSAL_SUFFIX, ResumePlan, RunInputs
+from pretrain.runtime.checkpoint import ResumePlan, RunInputs, universal_path
 
 log = logging.getLogger(__name__)
 
 # a conservative rate for DeepSpeed's universal conversion on one process (it reads and rewrites every shard)
 CONVERT_BYTES_PER_S = 20e6
+
+
+def plan_resume(cfg: CheckpointConfig, root: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims,
+                timeout_s: float, *, precision: str, zero_stage: int) -> ResumePlan | None:
+    """The checkpoint this run continues from (`find_resume`), checked against the run and converted where the
+    layout changed (`prepare_resume`); None for a fresh start. Every rank calls it, before the engine is built
+    (the engine must know whether it loads a universal checkpoint)."""
+    path = find_resume(cfg, root, dims.rank, dims.world)
+    return prepare_resume(path, model_cfg, inputs, dims, timeout_s, precision=precision,
+                          zero_stage=zero_stage) if path else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,9 +142,9 @@ def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: 
     inputs.check_resume(path)
     changes = _changes(state, dims, precision, zero_stage)
     if not changes:
-        return ResumePlan(path, state, path.parent, path.name, universal=False)
+        return ResumePlan(path, state, universal=False)
     _check_universal_stages(path, state, changes, zero_stage)
-    universal = path.parent / (path.name + UNIVERSAL_SUFFIX)
+    universal = universal_path(path)
     if not usable_universal(universal, dims.rank, dims.world):
         seconds = _bytes(path) / CONVERT_BYTES_PER_S
         if seconds > timeout_s / 4:
@@ -146,7 +156,7 @@ def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: 
             log.info("%s: converting %s to a universal checkpoint", ", ".join(changes), path)
             convert_to_universal(path, universal)
     dist.barrier()
-    return ResumePlan(path, state, universal.parent, universal.name, universal=True)
+    return ResumePlan(path, state, universal=True)
 
 
 def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
