@@ -22,7 +22,8 @@ from pretrain.model import universal_checkpoint_info
 from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.runtime.faults import stop_if_preempted
-from pretrain.runtime.loop import Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
+from pretrain.runtime.loop import (Components, Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures,
+                                   to_device)
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import Profiler, build_profiler
 from pretrain.runtime.resume import plan_resume
@@ -197,8 +198,9 @@ def _train(job: Job, dims: ParallelDims, engine, data: Data, accumulation: int, 
     try:
         metrics.write_text("config", to_yaml(cfg), step=progress.step)
         log.info("%s", job.start_line(progress, accumulation, dims))
-        return run_loop(engine, to_device(data, dims.device), accumulation, dims, cfg.train, progress, meter,
-                        checkpoints, metrics, evaluator,
-                        pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage), profiler=profiler)
+        return run_loop(Components(engine, to_device(data, dims.device), accumulation, dims, cfg.train, progress,
+                                   meter, checkpoints, metrics, evaluator,
+                                   pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
+                                   profiler=profiler))
     finally:
         metrics.close()
