@@ -33,6 +33,7 @@ def test_precedence_defaults_file_overrides():
         (["train.lr=-1e-3"], "train.lr (-0.001) must be > 0"),
         (["train.warmup_steps=-1"], "train.warmup_steps (-1) must be >= 0"),
         (["parallel.tensor=0"], "parallel.tensor (0) must be >= 1"),
+        (["parallel.backend=mpi"], "parallel.backend 'mpi' is not one of auto, nccl, gloo"),
         (["data.workers=-1"], "data.workers (-1) must be >= 0"),
         # span corruption's bounds: 1.5 hung the trainer and the planner, the others were tracebacks
         (["data.noise_density=1.5"], "data.noise_density (1.5) must be > 0 and < 1: the share of each chunk's tokens"),

@@ -72,6 +72,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.distributed.parallel
+        check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import yaml
 
 from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
 from pretrain.distributed.parallel import ParallelDims, init_distributed
-from pretrain.model import universal_checkpoint_info
+from pretrain.model import check_model, universal_checkpoint_info
 from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.runtime.faults import stop_if_preempted
@@ -142,6 +142,7 @@ def run_job(job: Job, dims: ParallelDims) -> int:
     metrics. Returns the loop's exit code; the lock is released on every path."""
     cfg = job.cfg
     run_dir, root = Path(cfg.run.dir), Path(cfg.run.dir) / "checkpoints"
+    check_model(job.model_cfg, dims.tp)  # mixer names, heads and d_ff split over TP: an export's model too
     accumulation = num_accumulation_steps(cfg.train, dims.dp)
     profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
     lock = acquire_run_lock(run_dir, dims)
