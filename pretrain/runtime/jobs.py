@@ -19,7 +19,7 @@ import yaml
 from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
 from pretrain.distributed.parallel import ParallelDims, init_distributed
 from pretrain.model import check_model, universal_checkpoint_info
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
+from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, RunInputs
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.runtime.loop import (Components, Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures,
@@ -86,14 +86,10 @@ def init_job(cfg: C) -> tuple[ParallelDims, C]:
     return dims, cfg
 
 
-class Data(Protocol):
+class Data(DataStateful, Protocol):
     """A job's training data: this DP rank's endless micro batches, its position saved with each checkpoint."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
     def close(self) -> None: ...
 
