@@ -21,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from pretrain.core.config import load_config
-from pretrain.finetune import FinetuneConfig, finetune
+from pretrain.core.finetune_config import FinetuneConfig
+from pretrain.finetune import finetune
 from pretrain.model.pretrained import export_config
 
 

@@ -32,7 +32,7 @@ def _status(key: str) -> int:
 def _measure(what: str, source: str, output: str) -> dict[str, int]:
     """In this (fresh) process: the resident set after imports, the peak after them, and the model's bytes."""
     from pretrain.transfer.exporting import export
-    from pretrain.finetune import build_from_export
+    from pretrain.model.pretrained import build_from_export
     from pretrain.model import build_model
     from pretrain.model.pretrained import export_config
     from pretrain.distributed.parallel import init_single_process

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.runtime.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, find_resume, usable_universal
+from pretrain.runtime.checkpoint import universal_path
+from pretrain.runtime.resume import convert_to_universal, find_resume, usable_universal
 from pretrain.core.config import CheckpointConfig, UsageError
 from pretrain.core.progress import progress
 
@@ -34,7 +35,7 @@ def reshard(run: Path, workers: int) -> Path:
     path = find_resume(CheckpointConfig(resume="auto"), root)
     if path is None:
         raise UsageError(f"no complete checkpoint in {root}")
-    output = path.parent / (path.name + UNIVERSAL_SUFFIX)
+    output = universal_path(path)
     if usable_universal(output):
         log.info("%s exists already", output)
         return output

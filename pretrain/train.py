@@ -1,8 +1,8 @@
 """Pretraining: `python -m launch.run --nproc-per-node N -m pretrain.train --config FILE [section.key=value ...]`
 (torchrun with the jobs' exit codes; or `srun python -m pretrain.train ...`). `train` is the setup, top to bottom:
-process groups, checks, the run lock, tokenizer, checkpoint to resume, model (random, or from `init=` weights) and
-DeepSpeed engine, data (train stream and the fixed validation slice, both opened now), restore; then the shared
-loop (`pretrain.runtime.loop.run_loop`). Exit codes are in pretrain.runtime.faults.
+process groups, checks, tokenizer; then the job skeleton (`pretrain.runtime.jobs.run_job`: the run lock,
+checkpoint to resume, model (random, or from `init=` weights) and DeepSpeed engine, data (train stream and the
+fixed validation slice, both opened now), restore, the shared loop). Exit codes are in pretrain.runtime.faults.
 """
 from __future__ import annotations
 
@@ -19,94 +19,83 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
-import torch.distributed as dist
-from megatron.core import parallel_state
 
+from pretrain.core.config import Config, parse_args
 from pretrain.core.files import write_atomic
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs, find_resume, prepare_resume
-from pretrain.core.config import Config, parse_args, save_config, to_yaml
-from pretrain.data.loader import EvalLoader, build_eval_loader, build_train_loader
+from pretrain.data.loader import build_eval_loader, build_train_loader
 from pretrain.data.shards import expand_shards
-from pretrain.runtime.engine import build_engine, load_master_weights
-from pretrain.runtime.faults import run_with_exit_codes, stop_if_preempted
-from pretrain.runtime.preemption import watch_preemption
-from pretrain.runtime.jobs import acquire_run_lock, check_precision, init_logging
-from pretrain.runtime.loop import Meter, mixture_metrics, run_loop, synthesizer_pictures, to_device
-from pretrain.runtime.metrics import MetricsLogger, peak_flops
-from pretrain.runtime.profiling import build_profiler
-from pretrain.model import IGNORE_INDEX, build_model, universal_checkpoint_info, vocab_parallel_argmax, with_vocab
+from pretrain.distributed.parallel import ParallelDims
+from pretrain.model import build_model, with_vocab
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.pretrained import check_init_folder, load_weights
-from pretrain.distributed.parallel import ParallelDims, init_distributed
-from pretrain.planning.planner import check_job, check_memory, with_layout
+from pretrain.planning.planner import Layout, check_job, check_memory, with_layout
+from pretrain.runtime.checkpoint import Progress, RunInputs
+from pretrain.runtime.faults import run_with_exit_codes
+from pretrain.runtime.jobs import Job, init_job, run_job
+from pretrain.runtime.preemption import watch_preemption
+from pretrain.runtime.validation import ValidationLoss, sum_over_dp
 from tokenizer.spm import Tokenizer
 
 log = logging.getLogger("pretrain.train")
 
 
-class ValidationLoss:
-    """Loss and token accuracy on fixed validation slices (the same batches every time), every `every` steps:
-    `eval_loss` on data.valid's, `eval_loss/NAME` on each source's `valid` ({"": data.valid's, NAME: ...}). Without
-    data.valid, when every source of a mixture has a `valid`, `eval_loss` is their mean at the mixture's `weights`:
-    the expected loss of an example of the mixture (every example has as many tokens)."""
+class Pretraining(Job):
+    """A random model, or `init=`'s weights; this DP rank's stream of span-corrupted micro batches; the loss on
+    fixed validation slices."""
 
-    def __init__(self, engine, slices: dict[str, EvalLoader], every: int, dims: ParallelDims,
-                 weights: dict[str, float]) -> None:
-        self.engine, self.slices, self.every, self.dims, self.weights = engine, slices, every, dims, weights
+    def __init__(self, cfg: Config, layout: Layout) -> None:
+        # the shards as the stream reads them (a mixture's, data.sources, are the loader's to record and check)
+        super().__init__(cfg, cfg.model, RunInputs.of(cfg.data.tokenizer,
+                                                     expand_shards(cfg.data.train) if cfg.data.train else ()))
+        self.layout, self.weights, self.resize_vocab = layout, cfg.init, cfg.init_resize_vocab
+        self.flops_per_step = cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
+                                                                          layout.target_length)
 
-    def due(self, step: int, final: bool) -> bool:
-        return bool(self.every) and step % self.every == 0
+    def build_model(self, dims: ParallelDims, resuming: bool) -> torch.nn.Module:
+        """`init`'s weights unless this run resumes its own checkpoint (a requeue continues): what fits is loaded,
+        the rest keeps its draw from the run's seed; the lists go to the log and to run.dir/init.json."""
+        cfg = self.cfg
+        model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
+                            compile=cfg.train.compile, device=dims.device)
+        if cfg.init and not resuming:
+            report = load_weights(model, cfg.init, resize_vocab=cfg.init_resize_vocab)
+            log.info("init %s: %d tensors loaded, %d fresh (%s), %d of the folder unused", cfg.init,
+                     len(report.loaded), len(report.fresh), ", ".join(report.fresh) or "none", len(report.unused))
+            if dims.rank == 0:
+                write_atomic(Path(cfg.run.dir) / "init.json", json.dumps(dataclasses.asdict(report), indent=1) + "\n")
+        return model
 
-    @torch.no_grad()
-    def __call__(self, step: int, final: bool) -> dict[str, float]:
-        self.engine.eval()
-        result = {}
-        for name, batches in self.slices.items():
-            sums = torch.zeros(3, dtype=torch.float64, device=self.dims.device)  # loss x tokens, correct, tokens
-            for batch in to_device(batches, self.dims.device):
-                stop_if_preempted(self.dims.device, "during evaluation")  # every rank holds as many batches
-                out = self.engine(**batch)
-                valid = batch["labels"] != IGNORE_INDEX
-                correct = ((vocab_parallel_argmax(out.logits) == batch["labels"]) & valid).sum()
-                sums += torch.stack([out.loss.double() * out.num_tokens, correct.double(), out.num_tokens.double()])
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-            loss, accuracy = (sums[:2] / sums[2]).tolist()
-            result[f"eval_loss/{name}" if name else "eval_loss"] = loss
-            result[f"eval_accuracy/{name}" if name else "eval_accuracy"] = accuracy
-        self.engine.train()
-        if "" not in self.slices and self.weights and self.weights.keys() <= self.slices.keys():
-            for key in ("eval_loss", "eval_accuracy"):
-                result[key] = sum(w * result[f"{key}/{name}"] for name, w in self.weights.items())
-        log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        return result
+    def build_data(self, dims: ParallelDims):
+        self.loader = build_train_loader(self.cfg.data, seed=self.cfg.run.seed, dp_rank=dims.dp_rank,
+                                         dp_size=dims.dp, micro_batch=self.cfg.train.micro_batch)
+        return self.loader
 
+    def build_evaluator(self, engine, dims: ParallelDims) -> ValidationLoss | None:
+        """{"": data.valid's slice, NAME: the slice of that source's valid}, read now."""
+        cfg = self.cfg
+        names = ([""] if cfg.data.valid else []) + [s.name for s in cfg.data.sources if s.valid]
+        validation = {name: build_eval_loader(cfg.data, dp_rank=dims.dp_rank, dp_size=dims.dp,
+                                              micro_batch=cfg.train.micro_batch, source=name,
+                                              num_examples=cfg.eval.batches * cfg.train.global_batch)
+                      for name in (names if cfg.eval.every else [])}
+        return ValidationLoss(engine, validation, cfg.eval.every, dims,
+                              weights={s.name: s.weight for s in cfg.data.sources}) if validation else None
 
-def sum_over_dp(values: list[float], device: torch.device) -> list[float]:
-    """`values` added up over the DP ranks (the loader's per-source epochs: each rank knows its own streams)."""
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return total.tolist()
+    def extra_metrics(self, dims: ParallelDims) -> dict[str, float]:
+        return self.loader.metrics(lambda values: sum_over_dp(values, dims.device))
 
-
-def start_from_init(model: torch.nn.Module, cfg: Config, dims: ParallelDims, run_dir: Path) -> None:
-    """`init=`'s weights into the freshly built model: what fits is loaded, the rest keeps its draw from the run's
-    seed; the lists go to the log and to run.dir/init.json."""
-    report = load_weights(model, cfg.init, resize_vocab=cfg.init_resize_vocab)
-    log.info("init %s: %d tensors loaded, %d fresh (%s), %d of the folder unused", cfg.init, len(report.loaded),
-             len(report.fresh), ", ".join(report.fresh) or "none", len(report.unused))
-    if dims.rank == 0:
-        write_atomic(run_dir / "init.json", json.dumps(dataclasses.asdict(report), indent=1) + "\n")
+    def start_line(self, progress: Progress, accumulation: int, dims: ParallelDims) -> str:
+        cfg, layout = self.cfg, self.layout
+        return (f"training steps {progress.step} -> {cfg.train.steps}: global batch {cfg.train.global_batch} = "
+                f"micro {layout.micro_batch} x accumulation {accumulation} x DP {dims.dp}, "
+                f"{layout.tokens_per_step} tokens/step")
 
 
 def train(cfg: Config) -> int:
-    # 1. Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
-    #    (pretrain.planning.planner.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory estimate
-    #    against the device's memory), with the model's vocabulary resolved from the tokenizer first ------------
-    dims = init_distributed(cfg.parallel, cfg.run.seed)
-    init_logging(dims.rank)
-    stop_if_preempted(dims.device)  # a signal during the imports or the rendezvous: every rank stops here
-    check_precision(cfg.precision, cfg.parallel.backend, dims.device)
+    # Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
+    # (pretrain.planning.planner.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory
+    # estimate against the device's memory), with the model's vocabulary resolved from the tokenizer first
+    dims, cfg = init_job(cfg)
     cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
     gpu_memory = torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
     layout = check_job(cfg, dims.world, gpu_memory)
@@ -115,83 +104,7 @@ def train(cfg: Config) -> int:
         check_memory(cfg, layout, gpu_memory)
     if cfg.init:
         check_init_folder(Path(cfg.init), cfg.model, Path(cfg.data.tokenizer), cfg.init_resize_vocab)
-    run_dir = Path(cfg.run.dir)
-    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
-    lock = acquire_run_lock(run_dir, dims)
-    try:
-        # 3. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
-        #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs --------
-        root = run_dir / "checkpoints"
-        # the shards as the stream reads them (a mixture's, data.sources, are the loader's to record and check)
-        inputs = RunInputs.of(cfg.data.tokenizer, expand_shards(cfg.data.train) if cfg.data.train else ())
-        resume = find_resume(cfg.checkpoint, root, dims.rank, dims.world)
-        plan = prepare_resume(resume, cfg.model, inputs, dims, cfg.parallel.timeout_s, precision=cfg.precision,
-                              zero_stage=cfg.zero.stage) if resume else None
-
-        # 4. Model (this rank's TP shard, identical full init on every rank, built on its device), then `init`'s
-        #    weights unless this run resumes its own checkpoint (a requeue continues), and the engine, whose
-        #    bf16/fp16 master weights start from init's fp32 values, not from the cast module -------------------
-        model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
-                            compile=cfg.train.compile, device=dims.device)
-        if cfg.init and not plan:
-            start_from_init(model, cfg, dims, run_dir)
-        engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
-                              load_universal=bool(plan and plan.universal))
-        if cfg.init and not plan:
-            load_master_weights(engine, cfg.init, cfg.init_resize_vocab)
-        stop_if_preempted(dims.device)
-
-        # 5. Data: this DP rank's stream of span-corrupted micro batches; the validation slice, read now so a bad
-        #    file fails before hours of training ------------------------------------------------------------------
-        loader = build_train_loader(cfg.data, seed=cfg.run.seed, dp_rank=dims.dp_rank, dp_size=dims.dp,
-                                    micro_batch=cfg.train.micro_batch)
-        # {"": data.valid's slice, NAME: the slice of that source's valid}
-        names = ([""] if cfg.data.valid else []) + [s.name for s in cfg.data.sources if s.valid]
-        validation = {name: build_eval_loader(cfg.data, dp_rank=dims.dp_rank, dp_size=dims.dp,
-                                              micro_batch=cfg.train.micro_batch, source=name,
-                                              num_examples=cfg.eval.batches * cfg.train.global_batch)
-                      for name in (names if cfg.eval.every else [])}
-
-        # 6. Checkpoints (engine, progress, data position, RNG) and restore ---------------------------------------
-        progress = Progress()
-        # a reshard keeps the token rows and pads them anew for the new TP (padding rows are masked, see t5.py)
-        checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=loader,
-                                        inputs=inputs, config_yaml=to_yaml(cfg),
-                                        universal_info=universal_checkpoint_info(model, cfg.model.vocab_size))
-        if plan:
-            checkpoints.load(plan)
-            log.info("resumed from %s at step %d", plan.path, progress.step)
-        if dims.rank == 0:
-            save_config(cfg, run_dir / "config.yaml")
-
-        # 7. Metrics and the loop ---------------------------------------------------------------------------------
-        meter = Meter(
-            every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
-            # model FLOPs utilisation: achieved model FLOP/s over the peak of all devices of the job
-            flops_per_step=cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
-                                                                       layout.target_length),
-            job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world,
-            extra=lambda: {**mixture_metrics(engine.module, cfg.zero.stage),
-                           **loader.metrics(lambda values: sum_over_dp(values, dims.device))},
-            straggler_factor=cfg.log.straggler_factor)
-        evaluator = ValidationLoss(engine, validation, cfg.eval.every, dims,
-                                   weights={s.name: s.weight for s in cfg.data.sources}) if validation else None
-        metrics = MetricsLogger(run_dir, enabled=dims.rank == 0, start_step=progress.step, wandb=cfg.log.wandb,
-                                config=yaml.safe_load(to_yaml(cfg)))
-        metrics.write_text("config", to_yaml(cfg), step=progress.step)
-        log.info("training steps %d -> %d: global batch %d = micro %d x accumulation %d x DP %d, %d tokens/step",
-                 progress.step, cfg.train.steps, cfg.train.global_batch, layout.micro_batch, layout.accumulation,
-                 dims.dp, layout.tokens_per_step)
-        try:
-            return run_loop(engine, to_device(loader, dims.device), layout.accumulation, dims, cfg.train, progress,
-                            meter, checkpoints, metrics, evaluator,
-                            pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
-                            profiler=profiler)
-        finally:
-            loader.close()
-            metrics.close()
-    finally:
-        lock.release()
+    return run_job(Pretraining(cfg, layout), dims)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ def leaf_defaults(schema, prefix=""):
 
 
 def finetune_schema():
-    from pretrain.finetune import FinetuneConfig
+    from pretrain.core.finetune_config import FinetuneConfig
     return FinetuneConfig
 
 

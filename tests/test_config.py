@@ -33,6 +33,7 @@ def test_precedence_defaults_file_overrides():
         (["train.lr=-1e-3"], "train.lr (-0.001) must be > 0"),
         (["train.warmup_steps=-1"], "train.warmup_steps (-1) must be >= 0"),
         (["parallel.tensor=0"], "parallel.tensor (0) must be >= 1"),
+        (["parallel.backend=mpi"], "parallel.backend 'mpi' is not one of auto, nccl, gloo"),
         (["data.workers=-1"], "data.workers (-1) must be >= 0"),
         # span corruption's bounds: 1.5 hung the trainer and the planner, the others were tracebacks
         (["data.noise_density=1.5"], "data.noise_density (1.5) must be > 0 and < 1: the share of each chunk's tokens"),
@@ -54,6 +55,10 @@ def test_precedence_defaults_file_overrides():
         (["run.dir="], "run.dir is empty; name the run folder"),
         (["model.position_bias=everywhere"], "model.position_bias 'everywhere' must be one of all, vanilla, none"),
         (["model.synthesizer_init=xavier"], "model.synthesizer_init 'xavier' must be one of mesh_tf, t5"),
+        # ModelConfig's own rules (they were the model package's check_model, met by the planner or the build)
+        (["model.d_model=0"], "model.d_model (0) must be >= 1"),
+        (["model.relative_attention_num_buckets=2"], "model.relative_attention_num_buckets (2) must be >= 4"),
+        (["model.dropout=1.5"], "model.dropout (1.5) must be in [0, 1)"),
         (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "
                       "...), not the int 3"),
     ],
@@ -71,9 +76,14 @@ def test_user_mistakes_are_one_line(override, expected):
     ("task.train_examples=-1", "task.train_examples (-1) must be >= 0"), ("eval.batch=0", "eval.batch (0) must be >= 1"),
     ("task.max_input_length=1", "task.max_input_length (1) must be >= 2"),
     ("eval.method=beam", "eval.method 'beam' is not one of generate, rank, both"),
+    # the schedule, optimizer, stage and precision rules were the engine's: a traceback (exit 1) in fine-tuning
+    ("train.schedule=linear", "train.schedule 'linear' is not one of inverse_sqrt, cosine"),
+    ("train.optimizer=sgd", "train.optimizer 'sgd' is not one of adamw, adafactor"),
+    ("zero.stage=4", "zero.stage (4) must be 0, 1, 2 or 3"), ("precision=fp8", "precision 'fp8' is not one of auto"),
+    ("task.dropout=1.5", "task.dropout (1.5) must be in [0, 1)"),
 ])
 def test_finetuning_takes_the_same_rules(override, expected):
-    from pretrain.finetune import FinetuneConfig  # shares run, parallel, train, log, checkpoint with Config
+    from pretrain.core.finetune_config import FinetuneConfig  # shares run, parallel, train, log, checkpoint with Config
 
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(FinetuneConfig, "configs/finetune/sst2.yaml", [override])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pretrain.core.config import TrainConfig, UsageError, ZeroConfig
+from pretrain.core.config import Config, ConfigError, TrainConfig, UsageError, ZeroConfig
 from pretrain.runtime.engine import build_deepspeed_config, num_accumulation_steps, param_groups
 from pretrain.runtime.schedule import build_scheduler, lr_factor
 
@@ -62,14 +62,15 @@ def test_adafactor_under_zero_is_refused_in_one_line(stage):
 
 @pytest.mark.parametrize("field,value", [("precision", "fp8"), ("stage", 4), ("optimizer", "sgd")])
 def test_deepspeed_config_rejects_unknown_values(field, value):
-    train, zero, precision = TrainConfig(), ZeroConfig(), "fp32"
-    if field == "precision":
-        precision = value
-    elif field == "stage":
-        zero = ZeroConfig(stage=value)
-    else:
-        train = TrainConfig(optimizer=value)
-    with pytest.raises(ValueError, match=str(value)):
+    # the config's rules (a section refuses them when built), so no DeepSpeed config is ever made of them
+    with pytest.raises(ConfigError, match=str(value)):
+        train, zero, precision = TrainConfig(), ZeroConfig(), Config().precision
+        if field == "precision":
+            precision = Config(precision=value).precision
+        elif field == "stage":
+            zero = ZeroConfig(stage=value)
+        else:
+            train = TrainConfig(optimizer=value)
         build_deepspeed_config(train, zero, precision, dp=1)
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from pretrain.core.config import Config, load_config
 from pretrain.transfer.exporting import load_pretrained, write_export
-from pretrain.finetune import ExampleStream, collate
+from pretrain.data.task_examples import ExampleStream, collate
 from pretrain.model import IGNORE_INDEX, build_local_model, full_state_dict
 from pretrain.model.pretrained import export_config
 from pretrain.runtime.faults import EXIT_PREEMPTED
@@ -29,7 +29,7 @@ def _start_at_tp2(rank, world, export_dir):
     from megatron.core import parallel_state
 
     from pretrain.core.config import ParallelConfig
-    from pretrain.finetune import build_from_export
+    from pretrain.model.pretrained import build_from_export
     from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor=2), seed=0)
@@ -73,7 +73,7 @@ def _master_weights(rank, world, export_dir):
 
     from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
     from pretrain.runtime.engine import build_engine, load_master_weights
-    from pretrain.finetune import build_from_export
+    from pretrain.model.pretrained import build_from_export
     from pretrain.distributed.parallel import init_distributed
 
     init_distributed(ParallelConfig(backend="gloo"), seed=0)
@@ -143,7 +143,8 @@ def _python(*args, processes=1):
 def _finetune(rank, world, overrides):
     """configs/finetune/polarity.yaml with `overrides`, in this rank; its exit code."""
     from pretrain.core.config import load_config
-    from pretrain.finetune import FinetuneConfig, finetune
+    from pretrain.core.finetune_config import FinetuneConfig
+    from pretrain.finetune import finetune
 
     return finetune(load_config(FinetuneConfig, "configs/finetune/polarity.yaml", overrides))
 
@@ -157,7 +158,8 @@ def _finetune_chain(rank, world, runs):
 
     from pretrain.runtime import loop
     from pretrain.core.config import load_config
-    from pretrain.finetune import FinetuneConfig, finetune
+    from pretrain.core.finetune_config import FinetuneConfig
+    from pretrain.finetune import finetune
     from pretrain.transfer import evaluation
 
     codes, finished = [], []

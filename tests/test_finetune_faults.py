@@ -3,6 +3,7 @@
 width rule (a fixed 1e-4 left the tiny model at chance). Each once went through silently."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2
 
 from pretrain.core.config import Config, UsageError, load_config
-from pretrain.finetune import FinetuneConfig
+from pretrain.core.finetune_config import FinetuneConfig
 from pretrain.model import build_local_model
 from pretrain.model.pretrained import foreign_tokenizer
 from pretrain.runtime.schedule import FINETUNE_LR_AT_WIDTH_64, with_finetune_lr
@@ -107,6 +108,26 @@ def test_a_global_batch_that_does_not_split_is_one_line_in_finetuning(tmp_path, 
     assert _one_line(job) == ("pretrain.finetune: error: train.global_batch (6) must equal train.micro_batch (4) x "
                               "gradient accumulation x data-parallel size (1), i.e. a multiple of 4 x 1 = 4; use 4 or 8")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_export_that_tp_does_not_split_is_one_line_before_the_lock(tmp_path, tokenizer_model):
+    # before: a ValueError traceback from the model's build inside the run lock (exit 1), where pretraining's
+    # planner gave the same rule in one line
+    torch.manual_seed(0)
+    model_cfg = dataclasses.replace(TINY.model, num_heads=3)  # d_ff 128 splits over TP 2; 3 heads do not
+    export = write_export(build_local_model(model_cfg), Path(tokenizer_model), tmp_path / "export")
+    data = _sst2(tmp_path, train=20, dev=5)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "pretrain.finetune", "--config", "configs/finetune/sst2.yaml", f"init={export}",
+                           f"data.dir={data}", f"run.dir={tmp_path / 'run'}", "parallel.tensor=2",
+                           "train.micro_batch=4", "train.global_batch=8", "train.steps=2"],
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    expected = "pretrain.finetune: error: model.num_heads (3) must be a multiple of parallel.tensor (2)"
+    lines = [line for line in done.stderr.splitlines()
+             if "pretrain.finetune: error" in line or ("Error" in line and "ChildFailedError" not in line)]
+    assert lines in ([expected], [expected] * 2), done.stderr[-3000:]  # torchrun may end a rank before it prints
+    assert "exitcode  : 2" in done.stderr and not (tmp_path / "run").exists()
+
 
 def _measured_sweep() -> dict[float, float]:
     """docs/transfer.md's table of `bench.finetune_recipe` on the tiny export: {train.lr: mean dev accuracy}."""

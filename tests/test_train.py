@@ -422,3 +422,14 @@ def test_repeated_overflows_stop_the_run_on_the_last_good_checkpoint(zero_runs):
     assert records[2]["lr"] == pytest.approx(3e-3 * 3 / 10)  # the skipped step did not advance the schedule
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+
+def test_a_run_whose_first_attempt_is_skipped_trains_on(shards, tmp_path):
+    """The first attempt of a run (a requeue's too) skipped on every rank: the step is tried again with the next
+    batches and the run trains to train.steps. Before, the loop took that attempt for the end of the run (its 0
+    applied steps equal to train.exit_after 0, "no limit") and exited 0 at step 0, having trained nothing."""
+    run = tmp_path / "first_skipped"
+    overrides = [*COMMON, *data_overrides(shards), "train.steps=2", "eval.every=0", "checkpoint.every=0"]
+    assert run_distributed(_train_each, 2, [(str(run), overrides, ("inf", {1}))]) == [[0], [0]]
+    assert [(r["step"], r["skipped_steps"]) for r in read_metrics(run)] == [(1, 1), (2, 1)]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Sequence
 
 HELP_FLAGS = ("-h", "--help")
-# the shared sections (RunConfig, TrainConfig, ...) that every job's schema nests
-CONFIG_SOURCE = Path(__file__).with_name("config.py")
+# the schemas and their sections (Config, RunConfig, TrainConfig, ...; FinetuneConfig, TaskConfig, ...)
+CONFIG_SOURCES = (Path(__file__).with_name("config.py"), Path(__file__).with_name("finetune_config.py"))
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def _default(value: ast.expr | None) -> str:
 
 
 def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
-    """Every key of the dataclass `schema` defined in `module_file` (or in pretrain/core/config.py), sections nested."""
-    classes = _dataclass_fields(CONFIG_SOURCE)
+    """Every key of the dataclass `schema` defined in `module_file` (or in CONFIG_SOURCES), sections nested."""
+    classes = {name: f for source in CONFIG_SOURCES for name, f in _dataclass_fields(source).items()}
     classes.update(_dataclass_fields(Path(module_file)))
 
     def walk(name: str, prefix: str) -> list[Key]:
@@ -94,7 +94,7 @@ def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
 
 def help_text(schema: str, prog: str) -> str:
     """Usage, the first paragraph of module `prog`'s docstring, and every key of `schema` (defined there or in
-    pretrain/core/config.py)."""
+    pretrain/core/config.py or finetune_config.py)."""
     module_file = Path(importlib.util.find_spec(prog).origin)  # found, not imported
     keys = schema_keys(module_file, schema)
     doc = ast.get_docstring(ast.parse(module_file.read_text())) or ""

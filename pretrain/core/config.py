@@ -38,6 +38,12 @@ class ConfigError(UsageError):
     """A mistake in a config file or an override; the message is one line meant for the user."""
 
 
+def check_choice(key: str, value: object, choices: Sequence[object]) -> None:
+    """A key whose value is one of a few names: `key 'value' is not one of a, b, c`."""
+    if value not in choices:
+        raise ConfigError(f"{key} '{value}' is not one of {', '.join(map(str, choices))}")
+
+
 def check_at_least(section: str, cfg: object, lows: dict[str, int]) -> None:
     """A section's single-key lower bounds (its `__post_init__` calls this): `section.key (value) must be >= low`."""
     for key, low in lows.items():
@@ -66,6 +72,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.distributed.parallel
+        check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,10 @@ class ZeroConfig:
     overlap_comm: bool = True  # overlap the gradient reduction with the backward (ZeRO 1-3)
     reduce_bucket_size: int = 200_000_000  # elements per gradient reduce-scatter bucket
     allgather_bucket_size: int = 200_000_000  # elements per parameter all-gather bucket (ZeRO 1-2)
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage ({self.stage}) must be 0, 1, 2 or 3")
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,12 @@ class ModelConfig:
         for key, allowed in (("position_bias", POSITION_BIAS), ("synthesizer_init", SYNTHESIZER_INIT)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"model.{key} '{getattr(self, key)}' must be one of {', '.join(allowed)}")
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size ({self.vocab_size}) must be >= 0 (0: the tokenizer's ids)")
+        check_at_least("model", self, {"d_model": 1, "d_ff": 1, "d_kv": 1, "num_heads": 1, "max_length": 1,
+                                       "factorized_k": 1, "relative_attention_num_buckets": 4})
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout ({self.dropout}) must be in [0, 1)")
 
 
 POSITION_BIAS = ("all", "vanilla", "none")  # docs/model.md, "Position bias"
@@ -114,6 +131,11 @@ MODEL_KEYS_ADDED = {"position_bias": "all", "synthesizer_init": "t5"}
 def saved_model_config(saved: dict) -> ModelConfig:
     """The ModelConfig of a checkpoint's config.yaml or an export's config.json (`model` section), older ones too."""
     return ModelConfig(**{**MODEL_KEYS_ADDED, **saved})
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adafactor")
+SCHEDULES = ("inverse_sqrt", "cosine")  # pretrain.runtime.schedule
 
 
 @dataclass(frozen=True)
@@ -137,6 +159,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_at_least("train", self, {"steps": 1, "exit_after": 0, "max_skipped_steps": 0, "warmup_steps": 0})
+        check_choice("train.optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("train.schedule", self.schedule, SCHEDULES)
         if self.lr != "auto":  # auto: fine-tuning's width rule (pretrain.runtime.schedule.with_finetune_lr)
             try:  # a number; YAML reads 1e-3 (no dot) as text, and the frozen field is set once, here
                 object.__setattr__(self, "lr", float(self.lr))
@@ -288,6 +312,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("precision", self.precision, PRECISIONS)
 
 
 # --------------------------------------------------------------------------------------------------------

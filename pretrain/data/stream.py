@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -237,20 +237,32 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, i
         epoch, shard, doc, offset, first_block, nxt = epoch + 1, 0, 0, 0, 0, 0
 
 
+def pad_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], input_length: int,
+              target_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """[b, input_length] inputs padded with 0 and [b, target_length] labels padded with IGNORE_INDEX."""
+    input_ids = np.zeros((len(pairs), input_length), np.int64)
+    labels = np.full((len(pairs), target_length), IGNORE_INDEX, np.int64)
+    for i, (inputs, targets) in enumerate(pairs):
+        input_ids[i, : len(inputs)] = inputs
+        labels[i, : len(targets)] = targets
+    return input_ids, labels
+
+
+def shift_right(labels: np.ndarray) -> np.ndarray:
+    """[b, m] decoder inputs: the labels shifted right, starting with pad id 0; IGNORE_INDEX padding becomes 0."""
+    decoder_input_ids = np.zeros_like(labels)
+    decoder_input_ids[:, 1:] = np.maximum(labels[:, :-1], 0)
+    return decoder_input_ids
+
+
 def collate(pairs: list[tuple[np.ndarray, np.ndarray]], input_length: int, target_length: int) -> dict:
     """Fixed-shape batch tensors; decoder inputs are the targets shifted right, starting with pad 0.
 
     `attention_mask` / `decoder_attention_mask` are present only when some input / target is padded: the model
     reads a missing mask as "nothing padded", so it never has to check a mask on the device (a host sync).
     """
-    b = len(pairs)
-    input_ids = np.zeros((b, input_length), np.int64)
-    labels = np.full((b, target_length), IGNORE_INDEX, np.int64)
-    for i, (inputs, targets) in enumerate(pairs):
-        input_ids[i, : len(inputs)] = inputs
-        labels[i, : len(targets)] = targets
-    decoder_input_ids = np.zeros_like(labels)
-    decoder_input_ids[:, 1:] = np.maximum(labels[:, :-1], 0)  # padding (-100) becomes pad id 0
+    input_ids, labels = pad_pairs(pairs, input_length, target_length)
+    decoder_input_ids = shift_right(labels)
     batch = {
         "input_ids": torch.from_numpy(input_ids),  # [b, input_length]
         "decoder_input_ids": torch.from_numpy(decoder_input_ids),  # [b, target_length]

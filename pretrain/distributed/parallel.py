@@ -63,23 +63,20 @@ def check_world(tp: int, world_size: int) -> None:
 
 
 def check_parallel(model_cfg: ModelConfig, tp: int, world_size: int) -> None:
-    """Cross-field rules of the parallel layout, checked before anything is allocated."""
+    """Cross-field rules of the parallel layout, checked before anything is allocated (a user error, one line: also
+    in fine-tuning, whose model comes from an export)."""
     check_world(tp, world_size)
     if model_cfg.num_heads % tp:
-        raise ValueError(
-            f"model.num_heads ({model_cfg.num_heads}) must be a multiple of parallel.tensor ({tp})"
-        )
+        raise UsageError(f"model.num_heads ({model_cfg.num_heads}) must be a multiple of parallel.tensor ({tp})")
     if model_cfg.d_ff % tp:
-        raise ValueError(f"model.d_ff ({model_cfg.d_ff}) must be a multiple of parallel.tensor ({tp})")
+        raise UsageError(f"model.d_ff ({model_cfg.d_ff}) must be a multiple of parallel.tensor ({tp})")
 
 
 def _pick_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested not in ("nccl", "gloo"):
-        raise ValueError(f"parallel.backend '{requested}' is not one of auto, nccl, gloo")
     if requested == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.backend 'nccl' needs CUDA, which this torch/machine lacks; use gloo or auto")
+        raise UsageError("parallel.backend 'nccl' needs CUDA, which this torch/machine lacks; use gloo or auto")
     return requested
 
 

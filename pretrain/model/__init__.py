@@ -37,18 +37,10 @@ def with_vocab(cfg: ModelConfig, num_ids: int) -> ModelConfig:
 
 
 def check_model(cfg: ModelConfig, tp: int = 1) -> None:
-    """Model-config rules, checked before allocation: mixer names, sizes, and divisibility by TP."""
+    """The model-config rules that need the model package, checked before allocation: mixer names (the registry)
+    and divisibility by TP. Sizes and rates are ModelConfig's own rules, checked when it is built."""
     parse_mixers(cfg.encoder_attention, "model.encoder_attention")
     parse_mixers(cfg.decoder_attention, "model.decoder_attention")
-    if cfg.vocab_size < 0:
-        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be >= 0 (0: the tokenizer's ids)")
-    for key in ("d_model", "d_ff", "d_kv", "num_heads", "max_length", "factorized_k"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"model.{key} ({getattr(cfg, key)}) must be >= 1")
-    if cfg.relative_attention_num_buckets < 4:
-        raise ValueError(f"model.relative_attention_num_buckets ({cfg.relative_attention_num_buckets}) must be >= 4")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ValueError(f"model.dropout ({cfg.dropout}) must be in [0, 1)")
     check_parallel(cfg, tp, tp)
 
 

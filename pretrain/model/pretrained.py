@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import mismatched
+from pretrain.model import build_model
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter, is_tp_sharded
 from pretrain.model.t5 import T5Model
@@ -228,3 +229,19 @@ def load_weights(model: T5Model, folder: str | Path, strict: bool = False, resiz
         for name, _, full in tensors:
             copy_full_parameter(model, name, full)
     return report
+
+
+def build_from_export(model_cfg: ModelConfig, folder: str | Path, freeze_mixture: bool,
+                      activation_checkpointing: str | bool = "none", compile: bool = False,
+                      device: torch.device | str = "cpu", weights: bool = True) -> T5Model:
+    """This rank's TP shard of the exported model on `device` (every TP size), read one parameter at a time
+    (load_weights): the host never holds the model. weights=False: the model as initialised (from run.seed), for
+    the from-scratch reference. freeze_mixture: the mixture weights (`attn.mix`) are not trained."""
+    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile, device=device)
+    if weights:
+        load_weights(model, folder, strict=True)
+    if freeze_mixture:
+        for name, param in model.named_parameters():
+            if name.endswith(".attn.mix"):
+                param.requires_grad_(False)
+    return model

@@ -1,17 +1,36 @@
-"""What every job (pretraining, fine-tuning) does at start besides its own setup: logging with a rank prefix, the
-precision/device rule, and the run-folder lock agreed by all ranks. Entry points import these, not each other.
+"""The job skeleton: what every job (pretraining, fine-tuning) does around its own parts. A command checks its
+config and reads its inputs, then calls `init_job` and `run_job` with a `Job`: its model and where the weights
+come from, its data, its evaluation (torchtitan's shape: the components are built once, the checkpoint manager
+loads them, one loop runs them). Also here: logging with a rank prefix, the precision/device rule, and the
+run-folder lock agreed by all ranks. Entry points import these, not each other.
 """
 from __future__ import annotations
 
+import abc
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Iterator, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+import yaml
 
-from pretrain.core.config import UsageError
-from pretrain.distributed.parallel import ParallelDims
+from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
+from pretrain.distributed.parallel import ParallelDims, init_distributed
+from pretrain.model import check_model, universal_checkpoint_info
+from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, RunInputs
+from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
+from pretrain.runtime.faults import stop_if_preempted
+from pretrain.runtime.loop import (Components, Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures,
+                                   to_device)
+from pretrain.runtime.metrics import MetricsLogger, peak_flops
+from pretrain.runtime.profiling import Profiler, build_profiler
+from pretrain.runtime.resume import plan_resume
 from pretrain.runtime.run_lock import RunLock
+
+log = logging.getLogger(__name__)
+C = TypeVar("C")  # a job's config: pretrain.core.config.Config or FinetuneConfig
 
 
 def init_logging(rank: int) -> None:
@@ -54,3 +73,131 @@ def acquire_run_lock(run_dir: Path, dims: ParallelDims) -> RunLock:
     if outcome[0]:
         raise UsageError(outcome[0])
     return lock
+
+
+def init_job(cfg: C) -> tuple[ParallelDims, C]:
+    """Process groups (TP x DP, seeded from run.seed), rank-prefixed logging, a signal during the imports or the
+    rendezvous (every rank stops here), and `cfg` with its precision resolved and checked against the device."""
+    dims = init_distributed(cfg.parallel, cfg.run.seed)
+    init_logging(dims.rank)
+    stop_if_preempted(dims.device)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
+    check_precision(cfg.precision, cfg.parallel.backend, dims.device)
+    return dims, cfg
+
+
+class Data(DataStateful, Protocol):
+    """A job's training data: this DP rank's endless micro batches, its position saved with each checkpoint."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+    def close(self) -> None: ...
+
+
+class Job(abc.ABC):
+    """What one job brings to the skeleton (`run_job`): its model and where the weights come from, its data, its
+    evaluation. `cfg` is the job's config; the skeleton reads its run, parallel, zero, precision, train,
+    checkpoint, log and profile sections. `inputs`: what a resume must have been made from. `weights`: a folder
+    whose fp32 values start the optimizer's master weights unless the run resumes ("": none)."""
+
+    weights: str = ""
+    resize_vocab: bool = False  # `weights` holds another vocabulary (pretraining's init_resize_vocab)
+    flops_per_step: float = 0.0  # model FLOPs of one step; > 0: MFU is reported
+
+    def __init__(self, cfg, model_cfg: ModelConfig, inputs: RunInputs) -> None:
+        self.cfg, self.model_cfg, self.inputs = cfg, model_cfg, inputs
+
+    @abc.abstractmethod
+    def build_model(self, dims: ParallelDims, resuming: bool) -> torch.nn.Module:
+        """This rank's TP shard on its device, from the job's weights unless `resuming` (the checkpoint's follow)."""
+
+    @abc.abstractmethod
+    def build_data(self, dims: ParallelDims) -> Data:
+        """This DP rank's training stream, and every file the job evaluates on read now (a bad one fails here)."""
+
+    @abc.abstractmethod
+    def build_evaluator(self, engine, dims: ParallelDims) -> Evaluator | None: ...
+
+    @abc.abstractmethod
+    def start_line(self, progress: Progress, accumulation: int, dims: ParallelDims) -> str:
+        """The log line before the first step: what trains, from which step, at which batch split."""
+
+    def extra_metrics(self, dims: ParallelDims) -> dict[str, float]:
+        """Scalars of the job's own beside the mixture weights on every metrics line (every rank calls)."""
+        return {}
+
+    def checkpoint_config(self) -> str:
+        """The config.yaml a checkpoint keeps (pretrain.export reads the model and tokenizer from it)."""
+        return to_yaml(self.cfg)
+
+
+def run_job(job: Job, dims: ParallelDims) -> int:
+    """The setup every job shares, top to bottom, then the one loop (pretrain.runtime.loop.run_loop): the batch
+    split (a user error is one line), the profiler, the run lock; the checkpoint to resume; the job's model and
+    the DeepSpeed engine; its data and evaluator; the checkpoint manager with its Stateful components, restored;
+    metrics. Returns the loop's exit code; the lock is released on every path."""
+    cfg = job.cfg
+    run_dir, root = Path(cfg.run.dir), Path(cfg.run.dir) / "checkpoints"
+    check_model(job.model_cfg, dims.tp)  # mixer names, heads and d_ff split over TP: an export's model too
+    accumulation = num_accumulation_steps(cfg.train, dims.dp)
+    profiler = build_profiler(cfg.profile, run_dir, dims)  # None when off; profile.ranks checked against the world
+    lock = acquire_run_lock(run_dir, dims)
+    try:
+        # 1. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
+        #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs ---------
+        plan = plan_resume(cfg.checkpoint, root, job.model_cfg, job.inputs, dims, cfg.parallel.timeout_s,
+                           precision=cfg.precision, zero_stage=cfg.zero.stage)
+
+        # 2. Model (this rank's TP shard), then the engine, whose bf16/fp16 master weights start from the job's
+        #    fp32 weights, not from the cast module; a resume restores its own ------------------------------------
+        model = job.build_model(dims, resuming=plan is not None)
+        engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
+                              load_universal=bool(plan and plan.universal))
+        if job.weights and not plan:
+            load_master_weights(engine, job.weights, job.resize_vocab)
+        stop_if_preempted(dims.device)
+
+        # 3. Data and evaluation, opened now; checkpoints (engine, progress, data position, RNG) and restore -------
+        data = job.build_data(dims)
+        try:
+            evaluator = job.build_evaluator(engine, dims)
+            progress = Progress()
+            # a reshard keeps the token rows and pads them anew for the new TP (padding rows are masked, see t5.py)
+            checkpoints = CheckpointManager(cfg.checkpoint, root, dims, engine=engine, progress=progress, data=data,
+                                            inputs=job.inputs, config_yaml=job.checkpoint_config(),
+                                            universal_info=universal_checkpoint_info(model, job.model_cfg.vocab_size))
+            if plan:
+                checkpoints.load(plan)
+                log.info("resumed from %s at step %d", plan.path, progress.step)
+            if dims.rank == 0:
+                save_config(cfg, run_dir / "config.yaml")
+            return _train(job, dims, engine, data, accumulation, progress, checkpoints, evaluator, profiler)
+        finally:
+            data.close()
+    finally:
+        lock.release()
+
+
+def _train(job: Job, dims: ParallelDims, engine, data: Data, accumulation: int, progress: Progress,
+           checkpoints: CheckpointManager, evaluator: Evaluator | None, profiler: Profiler | None) -> int:
+    """4. Metrics and the loop."""
+    cfg = job.cfg
+    meter = Meter(
+        every=cfg.log.every, steps=cfg.train.steps, samples_per_step=cfg.train.global_batch,
+        # model FLOPs utilisation: achieved model FLOP/s over the peak of all devices of the job
+        flops_per_step=job.flops_per_step,
+        job_peak_flops=peak_flops(cfg.log.peak_flops, dims.device, cfg.precision) * dims.world
+        if job.flops_per_step else 0.0,
+        extra=lambda: {**mixture_metrics(engine.module, cfg.zero.stage), **job.extra_metrics(dims)},
+        straggler_factor=cfg.log.straggler_factor)
+    metrics = MetricsLogger(Path(cfg.run.dir), enabled=dims.rank == 0, start_step=progress.step,
+                            wandb=cfg.log.wandb, config=yaml.safe_load(to_yaml(cfg)))
+    try:
+        metrics.write_text("config", to_yaml(cfg), step=progress.step)
+        log.info("%s", job.start_line(progress, accumulation, dims))
+        return run_loop(Components(engine, to_device(data, dims.device), accumulation, dims, cfg.train, progress,
+                                   meter, checkpoints, metrics, evaluator,
+                                   pictures=lambda: synthesizer_pictures(engine.module, cfg.zero.stage),
+                                   profiler=profiler))
+    finally:
+        metrics.close()

@@ -25,7 +25,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import deepspeed
 import torch
@@ -269,94 +269,117 @@ def _exit_preempted(message: str) -> int:
     return EXIT_PREEMPTED
 
 
-def run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
-             progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
-             evaluator: Evaluator | None = None, pictures: Callable[[], dict] | None = None,
-             profiler: Profiler | None = None) -> int:
+@dataclass
+class Components:
+    """What the loop drives, built once by the job skeleton (pretrain.runtime.jobs.run_job)."""
+
+    engine: Any  # the DeepSpeed engine
+    batches: Iterator[dict]  # this DP rank's micro batches, on its device
+    accumulation: int  # micro batches per optimizer step
+    dims: ParallelDims
+    train: TrainConfig  # steps, exit_after, max_skipped_steps
+    progress: Progress
+    meter: Meter
+    checkpoints: CheckpointManager
+    metrics: MetricsLogger
+    evaluator: Evaluator | None = None
+    pictures: Callable[[], dict] | None = None  # TensorBoard images, drawn at evaluation steps and the last step
+    profiler: Profiler | None = None  # pretrain.runtime.profiling; None when off
+
+
+def run_loop(c: Components) -> int:
     """Train from `progress.step` to `train.steps` (or `train.exit_after` steps of this run); EXIT_OK, or
     EXIT_PREEMPTED when one of `faults.PREEMPTION_SIGNALS` arrived on any rank: after a checkpoint, or with nothing
-    to save before the first step. `pictures` (TensorBoard images) are drawn at the evaluation steps and at the last
-    step. `profiler` (`pretrain.runtime.profiling`, None when off) traces the steps it asks for, each with its
-    checkpoint, evaluation and metrics line."""
-    install_skip_guard(engine)
+    to save before the first step. The profiler traces the steps it asks for, each with its checkpoint, evaluation
+    and metrics line."""
+    install_skip_guard(c.engine)
     preemption = watch_preemption()
     try:
-        return _run_loop(engine, batches, accumulation, dims, train, progress, meter, checkpoints, metrics, evaluator,
-                         pictures, preemption, profiler)
+        return _run_loop(c, preemption)
     finally:
-        checkpoints.close()  # a run ending on an error: its writer is done before the run lock is released
+        c.checkpoints.close()  # a run ending on an error: its writer is done before the run lock is released
 
 
-def _run_loop(engine, batches: Iterator[dict], accumulation: int, dims: ParallelDims, train: TrainConfig,
-              progress: Progress, meter: Meter, checkpoints: CheckpointManager, metrics: MetricsLogger,
-              evaluator: Evaluator | None, pictures: Callable[[], dict] | None, preemption: PreemptionFlag,
-              profiler: Profiler | None) -> int:
+def _finish(c: Components, step: int, final: bool, last: bool, record: dict[str, float]) -> None:
+    """After the step's checkpoint: its evaluation when due, pictures, its metrics line (none if `Preempted`)."""
+    evaluate = c.evaluator is not None and c.evaluator.due(step, final)
+    if evaluate:
+        record.update(c.evaluator(step, final))
+    if c.pictures is not None and (evaluate or last):
+        c.metrics.write_images(step, c.pictures())
+    if record:
+        c.metrics.write(step, record, tokens_seen=c.progress.tokens_seen)
 
-    def finish(step: int, final: bool, last: bool, record: dict[str, float]) -> None:
-        """After the step's checkpoint: its evaluation when due, pictures, its metrics line (none if `Preempted`)."""
-        evaluate = evaluator is not None and evaluator.due(step, final)
-        if evaluate:
-            record.update(evaluator(step, final))
-        if pictures is not None and (evaluate or last):
-            metrics.write_images(step, pictures())
-        if record:
-            metrics.write(step, record, tokens_seen=progress.tokens_seen)
 
+def _run_loop(c: Components, preemption: PreemptionFlag) -> int:
+    progress, train, checkpoints, profiler = c.progress, c.train, c.checkpoints, c.profiler
     try:
-        stop_if_preempted(dims.device, "before the first step of this run: nothing to save")
+        stop_if_preempted(c.dims.device, "before the first step of this run: nothing to save")
     except Preempted as e:
         return _exit_preempted(str(e))
     final = progress.step == train.steps
-    redo_eval = evaluator is not None and evaluator.due(progress.step, final)
+    redo_eval = c.evaluator is not None and c.evaluator.due(progress.step, final)
     if (progress.record is not None or redo_eval) and checkpoints.holds(progress.step) \
-            and _line_lost(progress.step, metrics):
+            and _line_lost(progress.step, c.metrics):
         log.warning("step %d: its metrics line is missing (the run ended after its checkpoint was saved): written "
                     "again from the checkpoint%s", progress.step, ", evaluated again" if redo_eval else "")
         try:
-            finish(progress.step, final, final, dict(progress.record or {}))
+            _finish(c, progress.step, final, final, dict(progress.record or {}))
         except Preempted as e:
             return _exit_preempted(f"{e} of the resumed step {progress.step}: evaluated again on resume")
-    meter.start = time.perf_counter()  # the first line's step time leaves out the setup (and an evaluation redone)
+    c.meter.start = time.perf_counter()  # the first line's step time leaves out the setup (and an evaluation redone)
     steps_this_run = 0
     while progress.step < train.steps:
         if profiler is not None:
             profiler.before_step(progress.step + 1)
-        result = train_step(engine, batches, accumulation, dims, preemption, writing=checkpoints.writing,
+        result = train_step(c.engine, c.batches, c.accumulation, c.dims, preemption, writing=checkpoints.writing,
                             before_update=checkpoints.before_update)
         checkpoints.poll(result.writing)  # the save in flight completes once no rank is writing it
         progress.tokens_seen += result.tokens
-        if result.applied:
-            progress.step += 1
-            steps_this_run += 1
-            meter.add(result)
-        else:
+        if not result.applied:  # the same step number is tried again with the next batches
             progress.skipped_steps += 1
             check_skip_budget(progress.step + 1, progress.skipped_steps, train.max_skipped_steps)
+            if result.preempted:  # a skipped step re-saves nothing unless the job must stop
+                return _exit_preempted(_stop_skipped(c, preemption))
+            continue
+        progress.step += 1
+        steps_this_run += 1
+        c.meter.add(result)
         final = progress.step == train.steps  # the end of training, not just of this run (train.exit_after)
         last = final or steps_this_run == train.exit_after
-        preempted = result.preempted
-        record = meter.record(progress, dims.device) if result.applied and meter.due(progress.step, last) else {}
+        record = c.meter.record(progress, c.dims.device) if c.meter.due(progress.step, last) else {}
         progress.record = dict(record) if record else None  # saved with the step: a resume rewrites a lost line
-        saved = False
-        if result.applied or preempted:  # a skipped step re-saves nothing unless the job must stop
-            with span("checkpoint"):
-                saved = checkpoints.maybe_save(progress.step, last=last, preempted=preempted)
+        with span("checkpoint"):
+            saved = checkpoints.maybe_save(progress.step, last=last, preempted=result.preempted)
         if record:
             record.update(checkpoints.take_metrics())  # checkpoint_blocking_s, and checkpoint_s once one completed
-        if result.applied:
-            try:
-                finish(progress.step, final, last, record)
-            except Preempted as e:  # during the evaluation: keep the step, evaluate it again on resume
-                if not saved:
-                    checkpoints.save(progress.step)
-                checkpoints.finish()  # a save of this step in flight
-                return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
-        if profiler is not None and (result.applied or preempted):
-            profiler.after_step(progress.step, last or preempted)  # a preempted run keeps the steps it traced
-        if preempted:
-            by = signal.Signals(preemption.received).name if preemption.raised else "a signal to another rank"
-            return _exit_preempted(f"preempted by {by} at step {progress.step}: checkpoint saved")
+        try:
+            _finish(c, progress.step, final, last, record)
+        except Preempted as e:  # during the evaluation: keep the step, evaluate it again on resume
+            if not saved:
+                checkpoints.save(progress.step)
+            checkpoints.finish()  # a save of this step in flight
+            return _exit_preempted(f"{e} at step {progress.step}: checkpoint saved, evaluated again on resume")
+        if profiler is not None:
+            profiler.after_step(progress.step, last or result.preempted)  # a preempted run keeps its traces
+        if result.preempted:
+            return _exit_preempted(f"preempted by {_signal_of(preemption)} at step {progress.step}: checkpoint saved")
         if last:
             break
     log.info("stopped at step %d of %d", progress.step, train.steps)
     return EXIT_OK
+
+
+def _stop_skipped(c: Components, preemption: PreemptionFlag) -> str:
+    """A preemption at a skipped step: the state of the last applied step (its number, the batches consumed
+    since) is saved; the message to exit with."""
+    c.progress.record = None
+    with span("checkpoint"):
+        c.checkpoints.maybe_save(c.progress.step, last=False, preempted=True)
+    if c.profiler is not None:
+        c.profiler.after_step(c.progress.step, True)
+    return f"preempted by {_signal_of(preemption)} at step {c.progress.step}: checkpoint saved"
+
+
+def _signal_of(preemption: PreemptionFlag) -> str:
+    return signal.Signals(preemption.received).name if preemption.raised else "a signal to another rank"

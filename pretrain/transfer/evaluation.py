@@ -24,11 +24,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from pretrain.core.config import ModelConfig, UsageError
+from pretrain.core.finetune_config import METHODS, FinetuneConfig
 from pretrain.core.files import write_atomic
 from pretrain.model import T5Model, generate_greedy
 from pretrain.model.mixers import parse_mixers
 from pretrain.model.generation import to_host
 from pretrain.core.progress import progress
+from pretrain.runtime.faults import stop_if_preempted
 from pretrain.tasks import Example, Task
 from pretrain.tasks.metrics import score
 from pretrain.tasks.submission import write_submission
@@ -36,7 +38,6 @@ from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
 
-METHODS = ("generate", "rank", "both")
 
 
 @dataclass(frozen=True)
@@ -227,3 +228,29 @@ def write_results(run_dir: Path, results: dict[str, dict[str, float]]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
     (run_dir / "results.md").write_text(markdown_table(merged))
+
+
+class TaskEvaluation:
+    """Fine-tuning's evaluation (pretrain.runtime.loop's Evaluator): the task's official metrics on its validation
+    files every `eval.every` steps and at the end (then also the test-set predictions); writes `results.json` /
+    `results.md` (rank 0) and returns `eval/<split>/<metric>`."""
+
+    def __init__(self, model: T5Model, tokenizer: Tokenizer, task: Task, cfg: FinetuneConfig, max_input_length: int,
+                 run_dir: Path, rank: int) -> None:
+        self.model, self.tokenizer, self.task, self.cfg = model, tokenizer, task, cfg
+        self.max_input_length, self.run_dir, self.rank = max_input_length, run_dir, rank
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or bool(self.cfg.eval.every and step % self.cfg.eval.every == 0)
+
+    def __call__(self, step: int, final: bool) -> dict[str, float]:
+        submission = self.run_dir / "submission" if final and self.cfg.eval.submission else None
+        device = next(self.model.parameters()).device
+        results = evaluate_task(self.model, self.tokenizer, self.task, self.cfg.data.dir, self.cfg.eval.method,
+                                self.cfg.eval.batch, self.max_input_length, self.cfg.eval.limit, submission,
+                                between_batches=lambda: stop_if_preempted(device, "during evaluation"))
+        record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
+        if self.rank == 0:
+            write_results(self.run_dir, results)
+            log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in record.items()))
+        return record
