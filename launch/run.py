@@ -112,8 +112,8 @@ def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     for sig in FORWARDED_SIGNALS:  # first: torch's import below takes seconds
         signal.signal(sig, _forward)
-    threading.Thread(target=_watch_for_ranks, daemon=True).start()
-    try:
+    try:  # a signal from here on is a preemption, also while the thread below starts
+        threading.Thread(target=_watch_for_ranks, daemon=True).start()
         return _launch(argv)
     except _PreemptedBeforeRanks as e:
         print(f"launch.run: preempted by {signal.Signals(e.args[0]).name} before the ranks started: nothing to save, "
