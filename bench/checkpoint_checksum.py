@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
 from pretrain.core.config import Config, ParallelConfig, load_config
-from pretrain.runtime.engine import build_engine
 from pretrain.core.manifest import describe
-from pretrain.model import build_model, universal_checkpoint_info
 from pretrain.distributed.parallel import destroy_distributed, init_distributed
+from pretrain.model import build_model, universal_checkpoint_info
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
+from pretrain.runtime.engine import build_engine
 
 
 def _crc32_rate(size: int = 256 << 20, chunk: int = 16 << 20) -> float:

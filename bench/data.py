@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pickle
-import tracemalloc
-from collections import Counter
 import gzip
+import json
 import os
+import pickle
 import tempfile
 import time
+import tracemalloc
+from collections import Counter
 from pathlib import Path
 
 import numpy as np

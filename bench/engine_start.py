@@ -16,9 +16,9 @@ import socket
 import time
 
 from pretrain.core.config import Config, load_config
-from pretrain.runtime.engine import build_engine
-from pretrain.model import build_model
 from pretrain.distributed.parallel import init_distributed
+from pretrain.model import build_model
+from pretrain.runtime.engine import build_engine
 
 
 def main(argv: list[str] | None = None) -> None:

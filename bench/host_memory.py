@@ -31,11 +31,10 @@ def _status(key: str) -> int:
 
 def _measure(what: str, source: str, output: str) -> dict[str, int]:
     """In this (fresh) process: the resident set after imports, the peak after them, and the model's bytes."""
-    from pretrain.transfer.exporting import export
-    from pretrain.model.pretrained import build_from_export
-    from pretrain.model import build_model
-    from pretrain.model.pretrained import export_config
     from pretrain.distributed.parallel import init_single_process
+    from pretrain.model import build_model
+    from pretrain.model.pretrained import build_from_export, export_config
+    from pretrain.transfer.exporting import export
 
     init_single_process()
     if what == "export":  # what the export imports as it runs: DeepSpeed's checkpoint readers, HF's tokenizer
@@ -91,8 +90,8 @@ def main() -> None:
     import torch
 
     from pretrain.core.config import Config, load_config
-    from pretrain.transfer.exporting import write_export
     from pretrain.model import build_local_model
+    from pretrain.transfer.exporting import write_export
 
     tiny = load_config(Config, REPO / "configs" / "tiny.yaml")
     cfg = dataclasses.replace(tiny.model, d_model=args.d_model, d_ff=args.d_ff, num_heads=args.d_model // 64, d_kv=64,

@@ -34,12 +34,12 @@ from transformers import T5ForConditionalGeneration
 
 from bench.op_profile import op_times, print_op_table
 from pretrain.core.config import ModelConfig
+from pretrain.distributed.parallel import init_single_process
 from pretrain.model import build_local_model, full_state_dict
 from pretrain.model.attention import RelativePositionBias, SelfAttention
-from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.flops import flops_per_sequence
 from pretrain.model.hf_convert import hf_config, to_hf_state_dict
-from pretrain.distributed.parallel import init_single_process
+from pretrain.model.mixers import MIXERS, parse_mixers
 
 SMALL = ModelConfig(vocab_size=32128)  # T5 v1.1 small: d_model 512, d_ff 1024, 6 x 64 heads, 8 + 8 layers, N 512
 

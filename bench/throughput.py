@@ -31,12 +31,12 @@ import torch.distributed as dist
 
 from pretrain.core.config import Config, load_config
 from pretrain.data.span_corruption import input_and_target_lengths
+from pretrain.distributed.parallel import destroy_distributed, init_distributed
+from pretrain.model import build_model
+from pretrain.model.flops import flops_per_sequence
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loop import install_skip_guard, to_device, train_step
 from pretrain.runtime.metrics import peak_flops
-from pretrain.model import build_model
-from pretrain.model.flops import flops_per_sequence
-from pretrain.distributed.parallel import destroy_distributed, init_distributed
 
 VARIANTS = ("vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random",
             "random+vanilla", "dense+vanilla")

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pretrain.core.config import Config, ParallelConfig, load_config
-from pretrain.runtime.engine import build_engine
-from pretrain.planning.memory import model_state_bytes
-from pretrain.model import build_model
 from pretrain.distributed.parallel import destroy_distributed, init_distributed
+from pretrain.model import build_model
+from pretrain.planning.memory import model_state_bytes
+from pretrain.runtime.engine import build_engine
 
 MODEL_OVERRIDES = ["model.d_model=128", "model.d_ff=256", "model.num_heads=4", "model.d_kv=32"]
 

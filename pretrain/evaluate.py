@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+
 import torch
+
 from pretrain.tasks import get_task
-from tokenizer.spm import Tokenizer
 from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, markdown_table, write_results
+from tokenizer.spm import Tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pretrain.transfer.exporting import load_pretrained
     from pretrain.runtime.metrics import MetricsLogger
+    from pretrain.transfer.exporting import load_pretrained
 
     parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--export", required=True, help="export folder (python -m pretrain.export)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
 from pretrain.runtime.faults import run_with_exit_codes
 from pretrain.transfer.exporting import MAX_SHARD_SIZE, export
 

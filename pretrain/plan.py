@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+
+from pretrain.core.config import Config, UsageError, load_config
 from pretrain.planning.checkpoint import FS_GBPS, FS_GBPS_WHY
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS
-from pretrain.core.config import Config, UsageError, load_config
 from pretrain.planning.memory import GiB
 from pretrain.planning.planner import _advice, _estimate, check_job, report
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pretrain.runtime.checkpoint import universal_path
-from pretrain.runtime.resume import convert_to_universal, find_resume, usable_universal
 from pretrain.core.config import CheckpointConfig, UsageError
 from pretrain.core.progress import progress
+from pretrain.runtime.checkpoint import universal_path
+from pretrain.runtime.resume import convert_to_universal, find_resume, usable_universal
 
 log = logging.getLogger("pretrain.reshard")
 

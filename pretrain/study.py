@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
 from pretrain.core.config import ConfigError, load_config
 from pretrain.experiments.grid import StudyConfig, cells, check_study
 from pretrain.experiments.runner import prepare_data, run_cell, run_study, write_baseline

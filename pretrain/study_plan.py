@@ -16,12 +16,12 @@ import argparse
 import sys
 from typing import Sequence
 
-from pretrain.planning.comm import GPU_TFLOPS
 from pretrain.core.config import Config, ConfigError, UsageError, load_config
-from pretrain.planning.memory import GiB
-from pretrain.model.flops import flops_per_sequence
-from pretrain.planning.planner import _resolved, check_job, check_memory
 from pretrain.experiments.grid import Cell, StudyConfig, cells, check_study, pretrain_args
+from pretrain.model.flops import flops_per_sequence
+from pretrain.planning.comm import GPU_TFLOPS
+from pretrain.planning.memory import GiB
+from pretrain.planning.planner import _resolved, check_job, check_memory
 
 
 def pretrain_config(cfg: StudyConfig, cell: Cell) -> Config:

@@ -26,7 +26,6 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-
 _PORTS = itertools.count(os.getpid())  # two pytest sessions side by side start at different ports
 _BELOW_EPHEMERAL = range(30000, 32768)  # Linux's ephemeral ports are 32768-60999; SLURM jobs' 20000-29999 (slurm/job.sh)
 

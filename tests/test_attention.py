@@ -9,10 +9,10 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from pretrain.core.config import ModelConfig
+from pretrain.distributed.parallel import init_single_process
 from pretrain.model.attention import SelfAttention
 from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.mixers.factorized_dense import factor_pair
-from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
                   max_length=16, factorized_k=3)

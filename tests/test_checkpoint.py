@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
-from pretrain.runtime.resume import check_same_model, find_resume
 from pretrain.core.config import CheckpointConfig, ModelConfig, UsageError
 from pretrain.core.manifest import COMPLETE, complete_steps, describe, missing_parts, write_marker
+from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.resume import check_same_model, find_resume
 from pretrain.runtime.run_lock import RunLock
 from tests.distributed import run_distributed
 
@@ -305,9 +305,9 @@ def test_a_stale_lock_of_another_host_says_what_was_checked(tmp_path, caplog):
 ], ids=["zero 1 to 3", "zero 1 to 0", "zero 0 fp32 to bf16", "zero 3 bf16 to zero 2 fp32", "unrecorded"])
 def test_a_resume_with_another_precision_or_zero_stage_is_refused_where_deepspeed_cannot_carry_it(
         tmp_path, written, now, refusal):
-    from pretrain.runtime.resume import prepare_resume
     from pretrain.core.config import Config, to_yaml
     from pretrain.distributed.parallel import ParallelDims
+    from pretrain.runtime.resume import prepare_resume
 
     path = _checkpoint(tmp_path / "run" / "checkpoints", 8)
     (path / "trainer_state.json").write_text(json.dumps({"step": 8, "tokens_seen": 0, "skipped_steps": 0, "tp": 1,
@@ -325,9 +325,9 @@ def test_a_resume_with_another_precision_or_zero_stage_is_refused_where_deepspee
 
 
 def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_path):
-    from pretrain.runtime.resume import prepare_resume
     from pretrain.core.config import Config, to_yaml
     from pretrain.distributed.parallel import ParallelDims
+    from pretrain.runtime.resume import prepare_resume
 
     path = _checkpoint(tmp_path / "run" / "checkpoints", 100)
     (path / "trainer_state.json").write_text(json.dumps({"step": 100, "tokens_seen": 0, "skipped_steps": 0,
@@ -349,11 +349,11 @@ def _save_damage_resume(rank: int, world: int, root: str, tokenizer: str) -> dic
     the resume restored, and the refusal once no checkpoint is intact."""
     import torch
 
-    from pretrain.runtime.resume import prepare_resume
     from pretrain.core.config import Config, ParallelConfig, load_config, to_yaml
-    from pretrain.runtime.engine import build_engine
-    from pretrain.model import build_model, universal_checkpoint_info
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model, universal_checkpoint_info
+    from pretrain.runtime.engine import build_engine
+    from pretrain.runtime.resume import prepare_resume
 
     cfg = load_config(Config, "configs/tiny.yaml")
     dims = init_distributed(ParallelConfig(), seed=3)

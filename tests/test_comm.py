@@ -44,14 +44,14 @@ def _count_collectives(rank: int, world: int, steps: int, overrides: list[str]) 
         setattr(dist, name, wrapped)
         setattr(c10d, name, wrapped)
 
-    from pretrain.core.config import Config, load_config
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from pretrain.core.config import Config, load_config
+    from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model
     from pretrain.runtime.engine import build_engine
     from pretrain.runtime.faults import PreemptionFlag
     from pretrain.runtime.loop import train_step
-    from pretrain.model import build_model
-    from pretrain.distributed.parallel import init_distributed
 
     cfg = load_config(Config, "configs/small.yaml", overrides)
     dims = init_distributed(cfg.parallel, seed=1)
@@ -103,8 +103,8 @@ def test_collectives_per_step_are_the_planners(counted):
     bucket sizes). Calls, bytes (within 1%: DeepSpeed pads the flat partitions for alignment) and the
     overlapped/exposed split are pretrain.planning.comm's; besides them DeepSpeed's scalars (the norm) and the loop's one
     all-reduce of two numbers (the loss and the preemption flag), none per parameter."""
-    from pretrain.planning.comm import estimate_comm
     from pretrain.core.config import Config, load_config
+    from pretrain.planning.comm import estimate_comm
 
     stage, results = counted
     steps, overrides = STEPS, [*TINY, f"zero.stage={stage}", "zero.reduce_bucket_size=60000"]

@@ -144,8 +144,8 @@ def _clipped_weights(rank: int, world: int, ours: bool, stage: int, inf_at: int 
     applied."""
     import pretrain.runtime.engine
     from pretrain.core.config import Config, ParallelConfig, load_config
-    from pretrain.model import build_model
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model
 
     if not ours:
         pretrain.runtime.engine._clips_on_device = pretrain.runtime.engine._skips_on_norm = lambda precision, stage: False

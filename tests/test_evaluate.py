@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pretrain.core.config import ModelConfig
-from pretrain.transfer.evaluation import encode_inputs, evaluate_task, input_limit, predict
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.tasks import get_task
+from pretrain.transfer.evaluation import encode_inputs, evaluate_task, input_limit, predict
 from tests.distributed import run_distributed
 from tokenizer.spm import Tokenizer
 
@@ -87,9 +87,9 @@ def decoding_steps(model, tokenizer: Tokenizer, rows: list[int]) -> int:
 
 def _zero3_evaluate(rank, world, state, cfg, folder, tokenizer_model):
     from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
-    from pretrain.runtime.engine import build_engine
-    from pretrain.model import build_model
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model
+    from pretrain.runtime.engine import build_engine
 
     # a rank that runs a forward the other does not waits in ZeRO-3's parameter all-gather: fail in 60 s, not hang
     init_distributed(ParallelConfig(tensor=1, backend="gloo", timeout_s=60), seed=0)

@@ -15,11 +15,11 @@ import yaml
 from transformers import AutoModelForSeq2SeqLM
 
 from pretrain.core.config import Config, ParallelConfig, TrainConfig, UsageError, ZeroConfig, load_config, to_yaml
-from pretrain.transfer.exporting import CheckpointError, export, load_pretrained, write_export
-from pretrain.runtime.faults import EXIT_USAGE
 from pretrain.core.manifest import describe
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.model.mixers import MIXERS
+from pretrain.runtime.faults import EXIT_USAGE
+from pretrain.transfer.exporting import CheckpointError, export, load_pretrained, write_export
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters
@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _train_and_save(rank, world, run_dir, cfg_yaml, model_cfg, tp, stage, precision):
     """One real optimizer step through the DeepSpeed engine, then a checkpoint; returns the gathered weights."""
+    from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model, universal_checkpoint_info
     from pretrain.runtime.checkpoint import CheckpointManager, Progress, RunInputs
     from pretrain.runtime.engine import build_engine
-    from pretrain.model import build_model, universal_checkpoint_info
-    from pretrain.distributed.parallel import init_distributed
 
     dims = init_distributed(ParallelConfig(tensor=tp), seed=3)
     model = build_model(model_cfg)

@@ -13,12 +13,12 @@ import torch
 import yaml
 
 from pretrain.core.config import Config, load_config
-from pretrain.transfer.exporting import load_pretrained, write_export
 from pretrain.data.task_examples import ExampleStream, collate
 from pretrain.model import IGNORE_INDEX, build_local_model, full_state_dict
 from pretrain.model.pretrained import export_config
 from pretrain.runtime.faults import EXIT_PREEMPTED
 from pretrain.runtime.schedule import FINETUNE_LR_AT_WIDTH_64
+from pretrain.transfer.exporting import load_pretrained, write_export
 from tests.distributed import run_distributed
 
 TINY = load_config(Config, "configs/tiny.yaml")
@@ -29,8 +29,8 @@ def _start_at_tp2(rank, world, export_dir):
     from megatron.core import parallel_state
 
     from pretrain.core.config import ParallelConfig
-    from pretrain.model.pretrained import build_from_export
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model.pretrained import build_from_export
 
     init_distributed(ParallelConfig(tensor=2), seed=0)
     model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=True).eval()
@@ -72,9 +72,9 @@ def _master_weights(rank, world, export_dir):
     from deepspeed.utils import safe_get_full_fp32_param
 
     from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
-    from pretrain.runtime.engine import build_engine, load_master_weights
-    from pretrain.model.pretrained import build_from_export
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model.pretrained import build_from_export
+    from pretrain.runtime.engine import build_engine, load_master_weights
 
     init_distributed(ParallelConfig(backend="gloo"), seed=0)
     masters = {}
@@ -156,10 +156,10 @@ def _finetune_chain(rank, world, runs):
     (validation or test files) ran to their end after such a signal."""
     import signal
 
-    from pretrain.runtime import loop
     from pretrain.core.config import load_config
     from pretrain.core.finetune_config import FinetuneConfig
     from pretrain.finetune import finetune
+    from pretrain.runtime import loop
     from pretrain.transfer import evaluation
 
     codes, finished = [], []

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from transformers import T5ForConditionalGeneration
 
 from pretrain.core.config import Config, load_config
-from pretrain.transfer.exporting import export
 from pretrain.model import build_local_model, full_state_dict
 from pretrain.model.hf_convert import hf_config
 from pretrain.model.pretrained import weight_files
+from pretrain.transfer.exporting import export
 from tests.distributed import run_distributed
 from tests.test_hf_parity import randomize_constant_parameters
 from tests.test_train import TINY, _train_each, data_overrides

@@ -9,8 +9,8 @@ import logging
 import multiprocessing
 import os
 import re
-import signal
 import shutil
+import signal
 import tarfile
 import threading
 import time
@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from webdataset import TarWriter
 
 from pretrain.core.config import UsageError

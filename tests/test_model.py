@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pretrain.core.config import ModelConfig
+from pretrain.distributed.parallel import init_single_process
 from pretrain.model import build_local_model, check_model, universal_checkpoint_info
 from pretrain.model.mixers.factorized_dense import factor_pair
-from pretrain.distributed.parallel import init_single_process
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pretrain.core.config import Config, load_config
-from pretrain.transfer.exporting import write_export
 from pretrain.model import build_local_model
 from pretrain.tasks import get_task
 from pretrain.tasks.pair import pair_input
 from pretrain.tasks.pair_data import PairSpec, build_pair_task
+from pretrain.transfer.exporting import write_export
 from tokenizer.spm import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

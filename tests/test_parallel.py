@@ -78,8 +78,8 @@ def _start(rank: int, world: int, tp: int) -> tuple[dict, torch.Tensor, torch.Te
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pretrain.model import build_model, full_state_dict
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.model import build_model, full_state_dict
 
     init_distributed(ParallelConfig(tensor=tp), seed=7)
     torch.manual_seed(7)
@@ -119,7 +119,6 @@ def layout_report(dims, seed: int) -> dict:
     """Called in each of 4 processes right after `init_distributed(tensor=2, seed=seed)` returned `dims`
     (by tests/test_tensor_parallel.py, whose TP=2 x DP=2 run this shares: one spawn of 4 processes)."""
     import torch.distributed as dist
-
     from megatron.core import parallel_state, tensor_parallel
 
     from pretrain.distributed.parallel import deepspeed_mpu
@@ -267,8 +266,8 @@ def test_building_on_the_device_puts_nothing_of_the_model_on_the_host(encoder, d
     # instead is seen: xxl at its TP 8 (1.4 B parameters per shard, 44 GB of fp32 for the full model) must not
     # draw one parameter, nor a shard of one, on the CPU
     from pretrain.core.config import Config, load_config
-    from pretrain.planning.memory import tp_shapes
     from pretrain.model import build_model
+    from pretrain.planning.memory import tp_shapes
 
     cfg = load_config(Config, "configs/xxl.yaml", ["model.vocab_size=32100", f"model.encoder_attention={encoder}",
                                                     f"model.decoder_attention={decoder}",

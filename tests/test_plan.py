@@ -7,16 +7,17 @@ save's files, and the warning when saves take over 5% of wall time."""
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pretrain.core.config import Config, load_config
-from pretrain.planning.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
-from pretrain.model import build_local_model, build_model
 from pretrain.distributed.parallel import init_single_process, padded_vocab_size
-from pretrain.planning.planner import check_job
+from pretrain.model import build_local_model, build_model
 from pretrain.plan import main
+from pretrain.planning.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
+from pretrain.planning.planner import check_job
 from tests.distributed import run_distributed
 
 SMALL = ["model.vocab_size=1100", "model.d_model=64", "model.d_kv=16", "model.num_heads=4", "model.d_ff=128",
@@ -70,8 +71,8 @@ def _zero_states(rank: int, world: int) -> list[tuple[str, int, int, dict[str, i
     precision of the cluster, over gloo on CPU); with the parameter count."""
     from bench.zero_memory import MODEL_OVERRIDES, _measure
     from pretrain.core.config import ParallelConfig
-    from pretrain.runtime.engine import build_engine
     from pretrain.distributed.parallel import init_distributed
+    from pretrain.runtime.engine import build_engine
 
     cfg = load_config(Config, "configs/tiny.yaml", MODEL_OVERRIDES)
     init_distributed(ParallelConfig(tensor=1), cfg.run.seed)

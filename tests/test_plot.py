@@ -8,8 +8,8 @@ from pathlib import Path
 
 import matplotlib.image
 
-from pretrain.runtime.metrics import MetricsLogger
 from pretrain.plot import main, read_runs
+from pretrain.runtime.metrics import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[1]
 

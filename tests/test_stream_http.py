@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.core.config import DataConfig, UsageError
-from pretrain.data.loader import build_train_loader
 from pretrain.core.redact import redact
+from pretrain.data.loader import build_train_loader
 from pretrain.data.remote import Retry
 from pretrain.data.shards import read_packs
 from pretrain.data.stream import StreamSpec, _read_checked

@@ -17,9 +17,9 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.core.config import ModelConfig
-from pretrain.runtime.pictures import attention_maps, heatmap, mixture_grids, synthesizer_images, synthesizer_matrices
-from pretrain.runtime.metrics import MetricsLogger
 from pretrain.model import build_local_model
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.pictures import attention_maps, heatmap, mixture_grids, synthesizer_images, synthesizer_matrices
 
 TINY = ModelConfig(vocab_size=256, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=1,
                    max_length=16, relative_attention_num_buckets=8, relative_attention_max_distance=16)

@@ -10,8 +10,8 @@ import yaml
 
 from pretrain.core.config import Config, load_config
 from pretrain.data.loader import build_train_loader
-from pretrain.model import build_local_model
 from pretrain.experiments.grid import StudyConfig, cells, pretrain_args
+from pretrain.model import build_local_model
 from tests.conftest import PreparedData
 
 SPECS = ["vanilla", "random", "random+vanilla", "dense+vanilla"]

@@ -24,9 +24,9 @@ def test_rebuilt_initialisation_equals_a_run_that_did_not_move(tmp_path: Path, s
     import torch
     from safetensors.torch import load_file
 
-    from pretrain.runtime.pictures import synthesizer_matrices
-    from pretrain.model.pretrained import export_config
     from pretrain.experiments.movement import initial_model
+    from pretrain.model.pretrained import export_config
+    from pretrain.runtime.pictures import synthesizer_matrices
 
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump({
@@ -74,8 +74,8 @@ def hand_study(tmp_path_factory, shards: PreparedData) -> Path:
     import torch
 
     from pretrain.core.config import ModelConfig
-    from pretrain.study import main as study_main
     from pretrain.experiments.movement import initial_model
+    from pretrain.study import main as study_main
     from tests.test_study_stats import hand_rows
 
     root = tmp_path_factory.mktemp("hand") / "study"

@@ -8,8 +8,20 @@ import math
 import pytest
 from scipy import stats
 
-from pretrain.experiments.stats import (CONTRADICTS, SUPPORTS, UNKNOWN, Interval, above, below, outside, paired, ratio,
-                                        t_interval, verdicts, within)
+from pretrain.experiments.stats import (
+    CONTRADICTS,
+    SUPPORTS,
+    UNKNOWN,
+    Interval,
+    above,
+    below,
+    outside,
+    paired,
+    ratio,
+    t_interval,
+    verdicts,
+    within,
+)
 
 T_975_2 = 4.302652729749462  # Student's t, 97.5 % quantile, 2 degrees of freedom (tables: 4.303)
 

@@ -13,8 +13,14 @@ import torch
 from megatron.core import parallel_state
 
 from pretrain.core.config import ModelConfig, ParallelConfig
-from pretrain.model import build_local_model, build_model, full_state_dict, generate_greedy, load_full_state_dict
-from pretrain.model import universal_checkpoint_info
+from pretrain.model import (
+    build_local_model,
+    build_model,
+    full_state_dict,
+    generate_greedy,
+    load_full_state_dict,
+    universal_checkpoint_info,
+)
 from tests.distributed import run_distributed
 from tests.test_parallel import assert_tp2_dp2_layout, layout_report
 

@@ -54,9 +54,9 @@ def _train_each(rank: int, world_size: int, runs: list[tuple[str, list[str], str
     through `main` (which then tears the process group down: it must come last); "sigterm" sends SIGTERM to
     rank 1 itself after its second step.
     """
-    from pretrain.runtime import loop as loop_module
     from pretrain import train as train_module
     from pretrain.core.config import UsageError
+    from pretrain.runtime import loop as loop_module
 
     codes = []
     for run_dir, overrides, fault in runs:

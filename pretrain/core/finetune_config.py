@@ -6,8 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pretrain.core.config import (PRECISIONS, CheckpointConfig, ConfigError, LogConfig, ParallelConfig, ProfileConfig,
-                                  RunConfig, TrainConfig, ZeroConfig, check_at_least, check_choice)
+from pretrain.core.config import (
+    PRECISIONS,
+    CheckpointConfig,
+    ConfigError,
+    LogConfig,
+    ParallelConfig,
+    ProfileConfig,
+    RunConfig,
+    TrainConfig,
+    ZeroConfig,
+    check_at_least,
+    check_choice,
+)
 
 METHODS = ("generate", "rank", "both")  # evaluation methods (pretrain.transfer.evaluation)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 
-
 _URL = re.compile(r"(https?://)([^/\s?#@]*@)?([^\s?#]*)(\?[^\s#]*)?")
 
 

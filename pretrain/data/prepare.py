@@ -26,7 +26,13 @@ from webdataset import TarWriter
 
 from pretrain.core.config import UsageError
 from pretrain.data.documents import (
-    BAD_KINDS, Document, InputLayout, add_layout_arguments, expand_glob, layout_from_args, read_documents,
+    BAD_KINDS,
+    Document,
+    InputLayout,
+    add_layout_arguments,
+    expand_glob,
+    layout_from_args,
+    read_documents,
 )
 from pretrain.data.shards import FORMAT_VERSION, INDEX, PACK_TOKENS, encode_pack, shard_name, token_suffix, write_json
 from tokenizer.spm import Tokenizer

@@ -23,8 +23,8 @@ import torch
 
 from pretrain.core.config import Config, UsageError, load_config
 from pretrain.core.files import write_atomic
-from pretrain.data.loader import build_eval_loader
 from pretrain.core.redact import redact
+from pretrain.data.loader import build_eval_loader
 from pretrain.model.loss import IGNORE_INDEX
 
 

@@ -23,8 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
 from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, free_port, init_launcher_death_signal

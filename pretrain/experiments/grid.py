@@ -8,8 +8,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from pretrain.core.config import ConfigError, ModelConfig
 
+from pretrain.core.config import ConfigError, ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

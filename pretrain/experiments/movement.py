@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from pretrain.core.config import ModelConfig
-from pretrain.runtime.pictures import synthesizer_matrices
+from pretrain.distributed.parallel import init_rng, init_single_process
 from pretrain.model import T5Model, build_local_model
 from pretrain.model.pretrained import CONFIG, export_config, weight_files
-from pretrain.distributed.parallel import init_rng, init_single_process
+from pretrain.runtime.pictures import synthesizer_matrices
 
 
 def initial_model(cfg: ModelConfig, seed: int) -> T5Model:

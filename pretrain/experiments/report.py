@@ -13,11 +13,22 @@ import statistics
 from pathlib import Path
 
 from pretrain.experiments import figures
-from pretrain.runtime import pictures
 from pretrain.experiments.grid import TEXT_ONLY, StudyConfig, cells, collect, read_metrics, slug
 from pretrain.experiments.movement import movement
-from pretrain.experiments.stats import (CONFIDENCE, DECIDED_HALF_WIDTH, Interval, Verdict, find_variant, paired, per_seed,
-                                        ratio, t_interval, task_keys, verdicts)
+from pretrain.experiments.stats import (
+    CONFIDENCE,
+    DECIDED_HALF_WIDTH,
+    Interval,
+    Verdict,
+    find_variant,
+    paired,
+    per_seed,
+    ratio,
+    t_interval,
+    task_keys,
+    verdicts,
+)
+from pretrain.runtime import pictures
 
 # Tay et al. 2021 (arXiv 2005.00743), T5-base-sized models pretrained on C4, as quoted by secondary summaries
 # (../shared/reference/synthesizer.md; not checked against the paper itself): masked-LM log-perplexity (lower

@@ -35,31 +35,17 @@ from pathlib import Path
 
 from launch.env import free_port
 from pretrain.core.files import write_atomic
-from pretrain.experiments.grid import (FETCHED_TASKS, REPO, SCRATCH, Cell, StudyConfig, cell_row, cells, data_paths,
-                                      pretrain_args)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+from pretrain.experiments.grid import (
+    FETCHED_TASKS,
+    REPO,
+    SCRATCH,
+    Cell,
+    StudyConfig,
+    cell_row,
+    cells,
+    data_paths,
+    pretrain_args,
+)
 
 
 def _module(cfg: StudyConfig, module: str, args: list[str]) -> list[str]:

@@ -3,9 +3,12 @@ returning their output alone (megatron's return (output, bias); the model adds i
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                            reduce_from_tensor_model_parallel_region,
-                                            set_tensor_model_parallel_attributes)
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    reduce_from_tensor_model_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
 from torch import nn
 
 

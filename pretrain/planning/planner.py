@@ -21,16 +21,23 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.planning.checkpoint import (FS_GBPS, T5_TOKENIZER_BYTES, CheckpointEstimate, checkpoint_bytes,
-                                         describe_checkpoint, estimate_save, warning)
-from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.core.config import Config, UsageError
 from pretrain.data.span_corruption import input_and_target_lengths
-from pretrain.runtime.engine import build_deepspeed_config
-from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory
+from pretrain.distributed.parallel import check_parallel, padded_vocab_size
 from pretrain.model import check_model
 from pretrain.model.flops import flops_per_sequence
-from pretrain.distributed.parallel import check_parallel, padded_vocab_size
+from pretrain.planning.checkpoint import (
+    FS_GBPS,
+    T5_TOKENIZER_BYTES,
+    CheckpointEstimate,
+    checkpoint_bytes,
+    describe_checkpoint,
+    estimate_save,
+    warning,
+)
+from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
+from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory
+from pretrain.runtime.engine import build_deepspeed_config
 
 AUTO_FILL = 0.9  # auto micro batch: leave 10% of the device for what the estimate does not see
 T5_IDS = 32100  # T5's SentencePiece ids (32000 pieces + 100 sentinels), assumed when no tokenizer is at hand

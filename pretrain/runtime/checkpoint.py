@@ -43,12 +43,20 @@ from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.core.config import CheckpointConfig, UsageError
 from pretrain.core.files import fsync_path, write_atomic
-from pretrain.core.manifest import (COMPLETE, LATEST, complete_steps, describe, describe_shards, shard_change, step_of,
-                                    tag_for, write_marker)
+from pretrain.core.manifest import (
+    COMPLETE,
+    LATEST,
+    complete_steps,
+    describe,
+    describe_shards,
+    shard_change,
+    step_of,
+    tag_for,
+    write_marker,
+)
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.checkpoint_writer import BackgroundWriter, HostCopies, snapshot, staging_saves
-from pretrain.runtime.faults import (STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure,
-                                     writing)
+from pretrain.runtime.faults import STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure, writing
 
 log = logging.getLogger(__name__)
 

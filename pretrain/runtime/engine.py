@@ -13,9 +13,9 @@ from deepspeed.utils import safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.core.config import TrainConfig, UsageError, ZeroConfig
+from pretrain.distributed.parallel import deepspeed_mpu
 from pretrain.model.pretrained import open_weights
 from pretrain.model.sharding import copy_full_parameter
-from pretrain.distributed.parallel import deepspeed_mpu
 from pretrain.runtime.schedule import build_scheduler
 
 log = logging.getLogger(__name__)

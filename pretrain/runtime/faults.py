@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from pretrain.core.config import UsageError, print_error
 from pretrain.distributed.parallel import destroy_distributed
+
 # the signals live in pretrain.core.signals and their record in pretrain.runtime.preemption (both light: installed
 # before torch is imported);
 # PREEMPTION_SIGNALS and PreemptionFlag are also importable from here

@@ -22,8 +22,15 @@ from pretrain.model import check_model, universal_checkpoint_info
 from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, RunInputs
 from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
 from pretrain.runtime.faults import stop_if_preempted
-from pretrain.runtime.loop import (Components, Evaluator, Meter, mixture_metrics, run_loop, synthesizer_pictures,
-                                   to_device)
+from pretrain.runtime.loop import (
+    Components,
+    Evaluator,
+    Meter,
+    mixture_metrics,
+    run_loop,
+    synthesizer_pictures,
+    to_device,
+)
 from pretrain.runtime.metrics import MetricsLogger, peak_flops
 from pretrain.runtime.profiling import Profiler, build_profiler
 from pretrain.runtime.resume import plan_resume

@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain.runtime.checkpoint import CheckpointManager, Progress
 from pretrain.core.config import TrainConfig
+from pretrain.distributed.parallel import ParallelDims
+from pretrain.model.sharding import is_tp_sharded
+from pretrain.runtime.checkpoint import CheckpointManager, Progress
 from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, Preempted, check_skip_budget, stop_if_preempted
-from pretrain.runtime.preemption import PreemptionFlag, stop_watching, watch_preemption
-from pretrain.runtime.pictures import synthesizer_images
 from pretrain.runtime.metrics import MetricsLogger, peak_memory_bytes
+from pretrain.runtime.pictures import synthesizer_images
+from pretrain.runtime.preemption import PreemptionFlag, stop_watching, watch_preemption
 from pretrain.runtime.profiling import Profiler, span
 from pretrain.runtime.stragglers import RankSpread, StepClock
-from pretrain.model.sharding import is_tp_sharded
-from pretrain.distributed.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from typing import Mapping, Sequence
+
 import numpy as np
 import torch
 

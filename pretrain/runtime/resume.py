@@ -24,8 +24,17 @@ import torch.distributed as dist
 import yaml
 
 from pretrain.core.config import MODEL_KEYS_ADDED, CheckpointConfig, ModelConfig, UsageError
-from pretrain.core.manifest import (check_complete, check_intact, complete_steps, damaged_parts, describe,
-                                    missing_parts, newest_intact, tag_for, write_marker)
+from pretrain.core.manifest import (
+    check_complete,
+    check_intact,
+    complete_steps,
+    damaged_parts,
+    describe,
+    missing_parts,
+    newest_intact,
+    tag_for,
+    write_marker,
+)
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.checkpoint import ResumePlan, RunInputs, universal_path
 

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.core.finetune_config import METHODS, FinetuneConfig
 from pretrain.core.files import write_atomic
-from pretrain.model import T5Model, generate_greedy
-from pretrain.model.mixers import parse_mixers
-from pretrain.model.generation import to_host
+from pretrain.core.finetune_config import METHODS, FinetuneConfig
 from pretrain.core.progress import progress
+from pretrain.model import T5Model, generate_greedy
+from pretrain.model.generation import to_host
+from pretrain.model.mixers import parse_mixers
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.tasks import Example, Task
 from pretrain.tasks.metrics import score

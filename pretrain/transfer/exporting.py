@@ -39,26 +39,25 @@ import pickle
 import re
 import shutil
 import tempfile
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import torch
 import yaml
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from pretrain.runtime.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import check_intact, complete_steps, describe, tag_for
+from pretrain.core.progress import progress
 from pretrain.model import T5Model, build_local_model, full_state_dict
 from pretrain.model.hf_convert import Target, hf_config, hf_targets, vanilla_layout
 from pretrain.model.hf_synthesizer.configuration_synthesizer_t5 import SynthesizerT5Config
-from pretrain.model.pretrained import (EXPORT_MARK, LAYER, SPIECE, export_config, load_weights,
-                                       self_attention_hf_name)
+from pretrain.model.pretrained import EXPORT_MARK, LAYER, SPIECE, export_config, load_weights, self_attention_hf_name
 from pretrain.model.sharding import VOCAB_PARAMETERS
+from pretrain.runtime.checkpoint import INPUTS, TOKENIZER, sha256_of
 from pretrain.transfer.hf_files import write_config, write_generation_config, write_tokenizer
 from pretrain.transfer.model_card import model_card
-from pretrain.core.progress import progress
 from pretrain.transfer.weights_writer import WeightsWriter
 
 log = logging.getLogger(__name__)

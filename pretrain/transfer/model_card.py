@@ -8,8 +8,8 @@ Synthesizer one (for a folder it looks for a causal LM in auto_map)."""
 from __future__ import annotations
 
 from pretrain.core.config import ModelConfig
-from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.hf_convert import is_hf_t5
+from pretrain.model.mixers import MIXERS, parse_mixers
 
 PIPELINE_TAG = "text-generation"
 FINE_TUNING_DROPOUT = 0.1  # T5 v1.1's dropout_rate for fine-tuning; pretraining (and so the export) runs without
