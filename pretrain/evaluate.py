@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from pretrain.core.finetune_config import METHODS
 from pretrain.tasks import get_task
-from pretrain.transfer.evaluation import METHODS, check_evaluation_files, evaluate_task, markdown_table, write_results
+from pretrain.transfer.evaluation import check_evaluation_files, evaluate_task, markdown_table, write_results
 from tokenizer.spm import Tokenizer
 
 
