@@ -148,10 +148,10 @@ def _launched(code: str, argv: list[str], env: dict, cwd: str | None, stderr_pat
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
         status = 0
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        if not isinstance(stop.code, (int, type(None))):
+    except SystemExit as stop:  # sys.exit("message"): the message on stderr, exit 1
+        if stop.code is not None and not isinstance(stop.code, int):
             print(stop.code, file=sys.stderr)
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
     except BaseException:
         traceback.print_exc()
         status = 1
