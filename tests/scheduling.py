@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 # rank, not their exact value. Every other test counts OTHER_TEST_S, every other shared fixture SHARED_FIXTURE_S (one
 # is shared because it is slow to build: runs of real processes, mostly).
 SLOW_S = {
-    "tests/test_finetune.py::test_pretraining_helps_finetuning_on_real_polarity_data": 485,
+    "tests/test_finetune.py::test_a_pretrained_export_finetunes_on_real_polarity_data": 485,
     "slurm": 114 + 110 + 60,  # the SLURM runs' fixture, the study on SLURM, the cluster's start and its other tests
     "tests/test_study.py::study": 361,
     "tests/test_faults.py::test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit": 152,

@@ -242,7 +242,7 @@ def test_a_synthesizer_export_finetunes_with_the_shipped_sst2_config(tmp_path, t
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["lr"] == FINETUNE_LR_AT_WIDTH_64
 
 
-def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, polarity_dir):
+def test_a_pretrained_export_finetunes_on_real_polarity_data(tmp_path, shards, polarity_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # a short pretraining of the tiny Random+Vanilla Synthesizer, data parallel over 2 processes
@@ -255,22 +255,28 @@ def test_pretraining_helps_finetuning_on_real_polarity_data(tmp_path, shards, po
     stdout = _python("pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export_dir}",
                      f"data.dir={polarity_dir}", f"run.dir={run}", "parallel.tensor=2", processes=2)
     results = json.loads((run / "results.json").read_text())
-    # the reference: the same fine-tuning (data, seed, steps) from a random initialisation of the same model
-    model_cfg = export_config(export_dir)
-    torch.manual_seed(TINY.run.seed)
-    random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
-    # in 2 ranks forked from the session's forkserver (the same TP 2 job, its numbers the same, without torchrun and
-    # ~25 s of CPU of start-up imports), without the test split's predictions, which nothing here reads
-    assert run_distributed(_finetune, 2, [f"init={random_init}", f"data.dir={polarity_dir}",
-                                          f"run.dir={tmp_path / 'from_random'}", "parallel.tensor=2",
-                                          "eval.submission=false"]) == [0, 0]
-    baseline = json.loads((tmp_path / "from_random" / "results.json").read_text())
     labels = [line.rsplit("\t", 1)[1] for line in (polarity_dir / "dev.tsv").read_text().splitlines()[1:]]
     majority = max(labels.count(v) for v in set(labels)) / len(labels)  # 0.518
     for metric in ("accuracy", "accuracy_rank"):
-        assert results["sst2"][metric] > baseline["sst2"][metric], (results, baseline)
         # the configs' lr auto at d_model 64 learns the task, not only the label words (a fixed 1e-4 stayed at chance)
         assert results["sst2"][metric] > majority, (results, majority)
+    # the reference: the same fine-tuning (data, seed, schedule) from a random initialisation of the same model, its
+    # first 25 steps (one log line), in 2 ranks forked from the session's forkserver (the same TP 2 job without
+    # torchrun and ~25 s of CPU of start-up imports). Fine-tuning from the export starts far lower: its first line
+    # (the mean loss of steps 1-25) 3.6 nats against 7.4 (measured), as pretraining on the text taught the decoder the
+    # words; a fine-tuning that did not start from the exported weights starts where a random one does. The final
+    # accuracies are not compared: at d_model 64 fine-tuned scores from the two starts are within noise of each other,
+    # either order, as the CPU study measured (docs/study.md, "Transfer on the CPU"; here 0.610 vs 0.636 on one
+    # machine, the reverse on another)
+    model_cfg = export_config(export_dir)
+    torch.manual_seed(TINY.run.seed)
+    random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
+    assert run_distributed(_finetune, 2, [f"init={random_init}", f"data.dir={polarity_dir}",
+                                          f"run.dir={tmp_path / 'from_random'}", "parallel.tensor=2",
+                                          "train.exit_after=25", "checkpoint.every=0"]) == [0, 0]
+    first_loss = [json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+                  for folder in (run, tmp_path / "from_random")]
+    assert first_loss[0] < first_loss[1] - 2.0, first_loss
     assert "| sst2 |" in stdout and (run / "results.md").read_text().startswith("| task |")
     lines = (run / "submission" / "SST-2.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 501 and {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from tests.scheduling import pytest_xdist_make_scheduler, unit_seconds, work_unit
 
 REPO = Path(__file__).resolve().parents[1]
-FINETUNE = "tests/test_finetune.py::test_pretraining_helps_finetuning_on_real_polarity_data"
+FINETUNE = "tests/test_finetune.py::test_a_pretrained_export_finetunes_on_real_polarity_data"
 
 
 def _suite() -> list[str]:
