@@ -29,6 +29,8 @@ from tests.test_metrics import read_metrics
 from tests.test_train import COMMON, REPO, TINY, TRAIN, _train_each, data_overrides, losses
 
 PEER_LINE = "another rank failed first"
+# past the hang guards (launch_like_srun's, HANG_S): a collective left waiting for a peer fails the test as a hang
+NO_TIMEOUT = "parallel.timeout_s=3600"
 
 _AFTER_TWO_STEPS = """
 import multiprocessing, os, signal, sys
@@ -153,10 +155,11 @@ def _cut_for_rank(shards, folder: Path, rank: int) -> Path:
 
 def test_a_usage_error_found_by_one_rank_ends_every_rank_with_its_line(shards, tmp_path):
     # rank 0 alone refuses the damage (srun's launch: rank 0 serves the job's store): rank 1, whose collective
-    # fails, ends with the same line and exit 2, not "a collective failed" and exit 1
+    # fails, ends with the same line and exit 2, not "a collective failed" and exit 1; and at once, not after the
+    # process-group timeout (set past the hang guard: the ranks waited for it while rank 0's connections stayed open)
     cut = _cut_for_rank(shards, tmp_path / "cut", rank=0)
     results = launch_like_srun(2, "import sys; from pretrain.train import main; sys.exit(main())",
-                               _argv(tmp_path / "run", shards, *_cut_data(shards, cut)), cwd=REPO)
+                               _argv(tmp_path / "run", shards, *_cut_data(shards, cut), NO_TIMEOUT), cwd=REPO)
     assert [code for code, _ in results] == [EXIT_USAGE, EXIT_USAGE], results[1][1][-3000:]
     lines = [[line for line in err.splitlines() if line.startswith("pretrain.train: ")] for _, err in results]
     assert lines[0] == lines[1] and len(lines[0]) == 1, lines
@@ -480,10 +483,11 @@ def test_a_usage_error_is_the_last_line_the_launcher_prints(shards, tmp_path):
 
 
 def test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints(shards, tmp_path):
-    # before: rank 0's "a collective failed (...)" was the last line and the launcher exited 1
+    # before: rank 0's "a collective failed (...)" was the last line and the launcher exited 1; then, it came after
+    # the process-group timeout (rank 0 waited in its collective while rank 1 waited for it to read the line)
     run_dir = tmp_path / "run"
     cut = _cut_for_rank(shards, tmp_path / "cut", rank=1)
-    launcher = _launch(run_dir, shards, *_cut_data(shards, cut))
+    launcher = _launch(run_dir, shards, *_cut_data(shards, cut), NO_TIMEOUT)
     assert launcher.wait(timeout=HANG_S) == EXIT_USAGE, (tmp_path / "stderr").read_text()[-3000:]
     assert re.fullmatch(DAMAGE_REFUSED, _last_line(run_dir)), _last_line(run_dir)
     assert "Traceback" not in (tmp_path / "stderr").read_text()

@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -184,12 +185,34 @@ _USAGE_LINE = "pretrain/usage_error"  # the first one-line usage error of any ra
 _USAGE_SEEN = "pretrain/usage_error_seen/"  # + rank: that rank ends with it
 
 
+def _close_peer_connections() -> None:
+    """Shut down this process's TCP connections except the rendezvous store's (MASTER_PORT at either end): the gloo
+    connections of every process group. Destroying the groups does not close them while DeepSpeed and megatron
+    hold references (measured: a peer's pending collective waited for this process's exit, or for the
+    process-group timeout, 600 s by default); a shut-down connection fails the peer's collective at once."""
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            conn = socket.socket(fileno=int(fd))
+        except (OSError, ValueError):  # not a socket (or closed meanwhile)
+            continue
+        try:
+            if conn.family in (socket.AF_INET, socket.AF_INET6) and conn.type == socket.SOCK_STREAM and \
+                    store_port not in (conn.getsockname()[1], conn.getpeername()[1]):
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError:  # a listening or unconnected socket
+            pass
+        finally:
+            conn.detach()  # the descriptor stays its owner's
+
+
 def _share_usage_error(line: str) -> None:
     """Tell the other ranks this rank's usage error, so that they end with its line and EXIT_USAGE instead of "a
-    collective failed" and EXIT_FAILED: the line goes into the store, the process groups are closed (the others'
-    pending gloo collective fails at once and reads it, `_peer_usage_error`), and this rank waits (at most the
-    process-group timeout) until every rank has read it, since its process may be the one serving the store. NCCL
-    ranks never learn of it (their wait is inside CUDA; the watchdog or the launcher ends them), so none waits."""
+    collective failed" and EXIT_FAILED: the line goes into the store, this rank's collective connections are shut
+    down (`_close_peer_connections`: the others' pending gloo collective fails at once and reads it,
+    `_peer_usage_error`), and this rank waits (at most the process-group timeout) until every rank has read it,
+    since its process may be the one serving the store. NCCL ranks never learn of it (their wait is inside CUDA;
+    the watchdog or the launcher ends them), so none waits."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
@@ -197,6 +220,8 @@ def _share_usage_error(line: str) -> None:
     try:
         store.compare_set(_USAGE_LINE, "", line)  # the first rank's line wins
         store.set(f"{_USAGE_SEEN}{rank}", "")
+        if gloo:
+            _close_peer_connections()
         destroy_distributed()
         if gloo:
             store.wait([f"{_USAGE_SEEN}{r}" for r in range(world)], store.timeout)
