@@ -23,25 +23,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Seconds of the known-slow tests and shared fixtures (a fixture under its unit's name, FILE::FIXTURE), from
-# `make test` of 8153981 with two workers (--durations), run beside a loop of the fault tests: the order needs their
-# rank, not their exact value. Every other test counts OTHER_TEST_S, every other shared fixture SHARED_FIXTURE_S (one
-# is shared because it is slow to build: runs of real processes, mostly).
+# `make test` of 4fcbfdf with two workers (--durations; quiet, 8 min 13 s): the order needs their rank, not their
+# exact value. Every other test counts OTHER_TEST_S, every other shared fixture SHARED_FIXTURE_S (one is shared
+# because it is slow to build: runs of real processes, mostly).
 SLOW_S = {
-    "tests/test_finetune.py::test_a_pretrained_export_finetunes_on_real_polarity_data": 485,
-    "slurm": 114 + 110 + 60,  # the SLURM runs' fixture, the study on SLURM, the cluster's start and its other tests
-    "tests/test_study.py::study": 361,
-    "tests/test_faults.py::test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit": 152,
-    "tests/test_train.py::zero_runs": 97,
-    "tests/test_study_report.py::test_rebuilt_initialisation_equals_a_run_that_did_not_move": 64,
-    "tests/test_faults.py::test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints": 61,
-    "tests/test_parallel.py::test_reshard_writes_the_universal_checkpoint_of_the_latest": 42,
-    "tests/test_faults.py::test_a_usage_error_is_the_last_line_the_launcher_prints": 37,
-    "tests/test_hf_users.py::test_exports_load_alike_in_transformers_4_and_5": 37,
-    "tests/test_finetune_faults.py::test_an_export_that_tp_does_not_split_is_one_line_before_the_lock": 37,
-    "tests/test_faults.py::test_a_usage_error_found_by_one_rank_ends_every_rank_with_its_line": 36,
-    "tests/test_bench.py::test_throughput_table_under_torchrun": 36,
-    "tests/test_pair_task.py::test_finetuning_on_pairs_from_the_export_and_from_scratch": 36,
-    "tests/test_plan.py::test_paper_scale_study_passes_the_planner": 26,  # each of 2: 32 s and 19 s
+    "tests/test_study.py::study": 130,
+    "slurm": 69 + 31,  # the SLURM runs' fixture and the study on SLURM (the cluster's start: its first test's setup)
+    "tests/test_finetune.py::test_a_pretrained_export_finetunes_on_real_polarity_data": 102,
+    "tests/test_faults.py::test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit": 63,
+    "tests/test_fast_paths.py::test_compiled_layers_equal_eager": 36,
+    "tests/test_train.py::zero_runs": 29,
+    "tests/test_faults.py::test_a_stalled_rank_is_named_as_a_timeout": 22,
+    "tests/test_faults.py::test_model_parallel_groups_get_the_configured_timeout": 20,  # each of 2
+    "tests/test_study_report.py::test_rebuilt_initialisation_equals_a_run_that_did_not_move": 20,
+    "tests/test_hf_users.py::test_exports_load_alike_in_transformers_4_and_5": 18,
+    "tests/test_pair_task.py::test_finetuning_on_pairs_from_the_export_and_from_scratch": 16,
+    "tests/test_parallel.py::test_reshard_writes_the_universal_checkpoint_of_the_latest": 15,
+    "tests/test_finetune.py::test_finetuning_start_up_holds_the_model_once_on_the_host": 14,
+    "tests/test_bench.py::test_throughput_table_under_torchrun": 13,
+    "tests/test_finetune_faults.py::test_an_export_that_tp_does_not_split_is_one_line_before_the_lock": 12,
+    "tests/test_faults.py::test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints": 11,
 }
 OTHER_TEST_S = 2.0
 SHARED_FIXTURE_S = 30.0

@@ -79,6 +79,6 @@ def test_each_free_worker_takes_the_longest_unit_left():
     order = [work_unit(suite[indices[0]]) for indices in log]  # one unit per send, whole
     assert all({work_unit(suite[i]) for i in indices} == {unit} for indices, unit in zip(log, order))
     assert sorted(order) == sorted(units) and sum(done.values()) == len(suite)  # each unit once, every test run
-    assert order[:3] == [FINETUNE, "tests/test_study.py::study", "slurm"]
+    assert order[:3] == ["tests/test_study.py::study", "slurm", FINETUNE]
     seconds = [unit_seconds(u, units[u]) for u in order]
     assert seconds == sorted(seconds, reverse=True), list(zip(order, seconds))[:12]
