@@ -74,8 +74,11 @@ def test_an_error_on_one_rank_ends_every_rank_and_shows_once(shards, tmp_path):
 
 
 def test_a_killed_loader_worker_ends_the_job(shards, tmp_path):
+    # a run that goes on until its data runs out: the worker's prefetched items can hold all of a short run's
+    # batches (then the death went unseen and the job ended 0, once, beside a full suite)
     kill_worker = "os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)"
-    results = launch_like_srun(2, _code(0, kill_worker), _argv(tmp_path, shards), cwd=REPO)
+    results = launch_like_srun(2, _code(0, kill_worker), _argv(tmp_path, shards, "train.steps=1000000",
+                                                                 "checkpoint.every=0", "eval.every=0"), cwd=REPO)
     assert [code for code, _ in results] == [EXIT_FAILED, EXIT_FAILED]
     assert "DataLoader worker" in results[0][1] and PEER_LINE in results[1][1]
 
