@@ -12,6 +12,8 @@ Prints, all measured in this one run (absolute numbers vary between machines; ra
 - the same step ratio with flush-to-zero on for both models (`torch.set_flush_denormal(True)`, one thread:
   the flag sets only the calling thread's FPU mode), the fair comparison on CPUs where subnormal floats
   take a slow path (HF's LM-head gradient makes many; ours floors them, see pretrain/model/loss.py);
+- beside each step ratio, the ratio of user CPU seconds: the models' own work without the kernel's (on some
+  machines HF's step spends a second faulting in fresh pages for its large temporaries, ours almost none);
 - last, on one line, the figure of issue 31: the worse (larger) of the two step ratios, with the load average
   (1 min) before and after each step measurement: the machine may be shared, and only ratios within a run
   compare.
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import os
+import resource
 import statistics
 import time
 
@@ -87,17 +90,21 @@ def attention_times(batch: int, reps: int, padded: bool) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def train_step_times(batch: int, reps: int, flush_denormal: bool = False) -> tuple[float, float]:
-    """Median seconds per step (ours, HF); `flush_denormal`: one thread with subnormals flushed to zero."""
+def train_step_times(batch: int, reps: int, flush_denormal: bool = False) -> tuple[tuple[float, float], ...]:
+    """Median seconds per step, wall and user CPU: ((ours, HF) wall, (ours, HF) user CPU); `flush_denormal`: one
+    thread with subnormals flushed to zero. User CPU leaves out the kernel's time (page faults: on some machines
+    HF's step spends a second a step faulting in fresh pages for its large temporaries, ours almost none)."""
     with _threads(flush_denormal):
         step_ours, step_hf = _train_steps(batch)
-        t_ours, t_hf = [], []
+        wall, user = ([], []), ([], [])
         for rep in range(reps + 1):
-            a, b = _seconds(step_ours), _seconds(step_hf)  # interleaved: a load change hits both alike
-            if rep:  # the first round is warm-up
-                t_ours.append(a)
-                t_hf.append(b)
-    return statistics.median(t_ours), statistics.median(t_hf)
+            for i, step in enumerate((step_ours, step_hf)):  # interleaved: a load change hits both alike
+                cpu, start = resource.getrusage(resource.RUSAGE_SELF).ru_utime, time.perf_counter()
+                step()
+                if rep:  # the first round is warm-up
+                    wall[i].append(time.perf_counter() - start)
+                    user[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu)
+    return tuple(tuple(statistics.median(t) for t in pair) for pair in (wall, user))
 
 
 def profile_step(batch: int, reps: int) -> None:
@@ -182,10 +189,10 @@ def main() -> None:
     ratios = {}
     for label, flush in ((f"as shipped, {threads} threads", False), ("flush-to-zero on, 1 thread", True)):
         before = _load()
-        ours, hf = train_step_times(args.batch, args.reps, flush_denormal=flush)
+        (ours, hf), (cpu_ours, cpu_hf) = train_step_times(args.batch, args.reps, flush_denormal=flush)
         ratios[label] = ours / hf
-        print(f"{label}: ours {ours:.2f} s, HuggingFace {hf:.2f} s, ratio ours/HF {ours / hf:.2f} "
-              f"(load average {before:.1f} -> {_load():.1f})")
+        print(f"{label}: ours {ours:.2f} s, HuggingFace {hf:.2f} s, ratio ours/HF {ours / hf:.2f}; user CPU "
+              f"{cpu_ours:.2f} / {cpu_hf:.2f} s = {cpu_ours / cpu_hf:.2f} (load average {before:.1f} -> {_load():.1f})")
         if not flush and not args.step_only:
             flops = flops_per_sequence(SMALL, 512, 114) * args.batch
             print(f"ours {flops / ours / 1e9:.1f} model GFLOP/s = {flops / ours / 1e9 / rate:.0%} of measured matmul "

@@ -204,7 +204,12 @@ def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
     import pretrain.model.attention as attention
     import pretrain.model.loss as loss
     import pretrain.model.t5 as t5
-    from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, VanillaAttentionFunction
+    from pretrain.model.cpu_autograd import (
+        CrossAttentionFunction,
+        GatedGeluFunction,
+        RMSNormFunction,
+        VanillaAttentionFunction,
+    )
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, dtype=torch.float64, generator=g).requires_grad_()
@@ -217,7 +222,8 @@ def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
     torch.testing.assert_close(GatedGeluFunction.apply(h), F.gelu(gate, approximate="tanh") * linear)
 
     calls = []
-    for fn in (RMSNormFunction, GatedGeluFunction, VanillaAttentionFunction, loss._FlooredCrossEntropy):
+    for fn in (RMSNormFunction, GatedGeluFunction, VanillaAttentionFunction, CrossAttentionFunction,
+               loss._FlooredCrossEntropy):
         monkeypatch.setattr(fn, "apply", lambda *a, fn=fn, apply=fn.apply: calls.append(fn) or apply(*a))
     for spec in ("vanilla", "random+vanilla"):
         for padded in (False, True):
@@ -225,6 +231,7 @@ def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
             fast = _run(_model(spec).double(), *batch)
             assert calls.count(RMSNormFunction) == 2 * 2 + 3 * 2 + 2 and calls.count(GatedGeluFunction) == 4
             assert calls.count(VanillaAttentionFunction) == (4 if spec == "vanilla" else 0)  # self-attention layers
+            assert calls.count(CrossAttentionFunction) == 2  # every decoder layer, padded (a mask) or not
             assert calls.count(loss._FlooredCrossEntropy) == 1
             calls.clear()
             with monkeypatch.context() as plain:
@@ -266,13 +273,43 @@ def test_vanilla_attention_function_equals_plain_form():
         torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
 
 
+def test_cross_attention_function_equals_plain_form():
+    # the eager CPU core of cross-attention (K, V read from the encoder output's fused projection, their gradients
+    # written into one) against _split_heads + SDPA, in float64: unpadded (no mask) and with a padding mask
+    from pretrain.model.attention import _split_heads
+    from pretrain.model.cpu_autograd import CrossAttentionFunction
+
+    b, n, m, heads, d_kv = 2, 3, 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    q_proj = torch.randn(b, n, heads * d_kv, dtype=torch.float64, generator=g).requires_grad_()
+    kv_proj = torch.randn(b, m, heads * 2 * d_kv, dtype=torch.float64, generator=g).requires_grad_()
+    mask = torch.zeros(b, 1, 1, m, dtype=torch.float64)
+    mask[1, ..., 3:] = torch.finfo(torch.float64).min
+
+    def plain(q_proj, kv_proj, mask):
+        q = q_proj.view(b, n, heads, d_kv).transpose(1, 2)
+        k, v = _split_heads(kv_proj, heads, 2, d_kv)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(1, 2).reshape(b, n, -1)
+
+    fast = lambda q_proj, kv_proj, mask: CrossAttentionFunction.apply(q_proj, kv_proj, mask, heads, d_kv)  # noqa: E731
+    assert torch.autograd.gradcheck(lambda q, kv: fast(q, kv, mask), (q_proj, kv_proj))
+    for mask_or_none in (None, mask):
+        results = []
+        for form in (fast, plain):
+            q_proj.grad = kv_proj.grad = None
+            out = form(q_proj, kv_proj, mask_or_none)
+            out.backward(torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+            results.append((out.detach(), q_proj.grad, kv_proj.grad))
+        torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+
+
 def test_cpu_train_step_skips_measured_waste():
     """One fp32 CPU step of a vanilla model does none of what issue 31's profile found in it (docs/model.md,
     "Benchmark"): a second zero-filled [vocab, d] embedding gradient (encoder and decoder ids now share one
     embedding call), select_backward's zero-filled full-size Q/K/V gradients, chunk's `cat` of the FFN gradient
     halves, `tanh`, RMSNorm's decomposition (`pow`) and `max`'s unneeded indices in the loss; nor the loss's
     chain of full-size passes (`exp_`, `div_` over [b, m, vocab]) and self-attention's Q/K/V copies and the
-    `stack` of their gradients (only cross-attention's K, V split is left)."""
+    `stack` of their gradients; nor cross-attention's `stack` of the K and V gradients and SDPA's slow CPU backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -296,4 +333,5 @@ def test_cpu_train_step_skips_measured_waste():
     assert not {"select_backward", "gelu_backward", "tanh_backward", "pow"} & set(backward.seen), \
         sorted(set(backward.seen))
     assert "exp_" not in forward.seen  # the loss's softmax is one kernel
-    assert backward.seen.count("stack") == CFG.num_decoder_layers  # cross-attention's K, V
+    assert "stack" not in backward.seen  # nor cross-attention's K, V (CrossAttentionFunction)
+    assert not {"_scaled_dot_product_flash_attention_for_cpu_backward"} & set(backward.seen)  # its slow backward

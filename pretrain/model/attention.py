@@ -33,7 +33,12 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.model.cpu_autograd import VanillaAttentionFunction, head_views, use_cpu_autograd
+from pretrain.model.cpu_autograd import (
+    CrossAttentionFunction,
+    VanillaAttentionFunction,
+    head_views,
+    use_cpu_autograd,
+)
 from pretrain.model.init import init_scope
 from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
@@ -283,17 +288,19 @@ class CrossAttention(nn.Module):
             skip_bias_add=True,
         )
 
-    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoder output [b, n, d] -> K, V [b, heads/tp, n, d_kv] (rows ordered [head, (k, v), d_kv])."""
-        b, n, _ = memory.shape
-        k, v = _split_heads(self.kv(memory), self.heads, 2, self.d_kv)
-        return k, v
+    def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
+        """Encoder output [b, m, d] -> its fused K|V projection [b, m, heads/tp * 2 * d_kv] (rows [head, (k, v), d_kv])."""
+        return self.kv(memory)
 
-    def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory_kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [b, n, d]; memory_kv: `project_memory`'s; mask additive [b, 1, 1, m] or None."""
         b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
-        k, v = memory_kv
         p = self.dropout if self.training else 0.0
+        if p == 0 and torch.is_grad_enabled() and use_cpu_autograd(x):
+            # eager CPU training: K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
+            return self.o(CrossAttentionFunction.apply(self.q(x), memory_kv, mask, self.heads, self.d_kv))
+        q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        k, v = _split_heads(memory_kv, self.heads, 2, self.d_kv)
         with _fork_tp_rng(p > 0):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
