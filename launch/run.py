@@ -9,8 +9,8 @@ ranks' "preempted, checkpoint saved" code; and a rank's one-line error is follow
 agent), so every torchrun option works (`--standalone`, `--nnodes`, `--rdzv-backend c10d`, ...), with two changes:
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the ranks, which decide what they mean (the jobs checkpoint and
   exit 75: pretrain.runtime.faults), and the agent keeps watching the ranks until they exit; one that arrives
-  before the ranks exist (torch's import, the rendezvous) ends the launcher with 75 at once (nothing to save), one
-  after they ended changes nothing;
+  before the ranks exist (torch's import, the rendezvous) ends the launcher with 75 at once (nothing to save), as
+  does one that kills ranks still starting (before their handlers), one after they ended changes nothing;
 - the launcher exits with the ranks' code (`job_exit_code`) and prints nothing after their last line, except for
   a rank killed by a signal, which could not say so itself (one line); a rank that crashed (SIGABRT, SIGSEGV...)
   makes it 128 + N, never the ranks' "preempted" code, so a requeue wrapper does not requeue a crash.
@@ -70,6 +70,9 @@ def _watch_for_ranks() -> None:
     _ranks_started.set()
 
 
+_forwarded: list[int] = []  # the first preemption signal passed on to the ranks
+
+
 def _forward(signum: int, frame: types.FrameType | None) -> None:
     ranks = _children()
     if not ranks:
@@ -77,6 +80,8 @@ def _forward(signum: int, frame: types.FrameType | None) -> None:
             return
         raise _PreemptedBeforeRanks(signum)  # torch's import or the rendezvous: nothing to save
     _ranks_started.set()
+    if not _forwarded:
+        _forwarded.append(signum)
     for pid in ranks:
         try:
             os.kill(pid, signum)
@@ -84,7 +89,7 @@ def _forward(signum: int, frame: types.FrameType | None) -> None:
             pass
 
 
-def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
+def job_exit_code(codes: dict[int, int], forwarded: int | None = None) -> tuple[int, str]:
     """The launcher's exit code from the ranks that ended non-zero ({global rank: exit code}, negative: killed by
     that signal), and the line to print ("" for none).
 
@@ -93,19 +98,26 @@ def job_exit_code(codes: dict[int, int]) -> tuple[int, str]:
     error exits with the same one), a "preempted" 75 (requeue) last, and only if no rank crashed, that is died of
     a signal other than the agent's TERM and KILL (SIGABRT: NCCL's watchdog, a C++ error; SIGSEGV ...): a crash is
     128 + N as a shell reports it, as is a failure where every failing rank was killed. A rank killed by anything
-    but the agent's SIGTERM could not say so itself: the line names it."""
+    but the agent's SIGTERM could not say so itself: the line names it.
+
+    `forwarded`: the preemption signal the launcher passed on to the ranks, if any. A rank that died of it had not
+    installed its handler yet (the jobs do so first thing: the interpreter's start-up), so it had nothing to save:
+    the job was preempted, 75, even if every rank died of it."""
     own = sorted(rank for rank, code in codes.items() if code > 0)
     killed = sorted(rank for rank, code in codes.items() if code < 0)
-    crashed = [rank for rank in killed if -codes[rank] not in AGENT_KILLS]
+    crashed = [rank for rank in killed if -codes[rank] not in (*AGENT_KILLS, forwarded)]
     failed = [rank for rank in own if codes[rank] != EXIT_PREEMPTED]
     if failed:  # an error, a usage mistake, a divergence: in the ranks' own words
         code = codes[failed[0]]
-    elif own and not crashed:  # every rank that ended by itself saved its checkpoint and exited 75
+    elif (own or forwarded) and not crashed:  # every rank that ended by itself saved its checkpoint and exited 75
         code = EXIT_PREEMPTED
     else:
         code = 128 + -codes[(crashed or killed)[0]]
     named = [f"rank {rank} was killed by {signal.Signals(-codes[rank]).name}" for rank in killed
-             if codes[rank] != -signal.SIGTERM]
+             if -codes[rank] not in (signal.SIGTERM, forwarded)]
+    if code == EXIT_PREEMPTED and not own and not named:
+        named.append(f"preempted by {signal.Signals(forwarded).name} while the ranks started: nothing to save, "
+                     f"exiting {EXIT_PREEMPTED}")
     return code, "; ".join(named)
 
 
@@ -140,7 +152,8 @@ def _launch(argv: Sequence[str] | None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        code, line = job_exit_code({rank: failure.exitcode for rank, failure in e.failures.items()})
+        codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+        code, line = job_exit_code(codes, _forwarded[0] if _forwarded else None)
         if line:
             print(f"launch.run: {line}", file=sys.stderr)
         return code

@@ -72,9 +72,10 @@ run_requeueable() {
   wait "$step"; rc=$?
   while kill -0 "$reader" 2>/dev/null; do wait "$reader"; done
   touch "$tmp/srun"
-  # a task's own 75 is the preemption, also when --kill-on-bad-exit then killed the others (srun: 137); a crashed
-  # task (SIGABRT, SIGSEGV...) never is (slurm/step_exit.sh)
-  rc=$(step_exit_code "$rc" "$tmp/srun" "$module")
+  # a task's own 75 is the preemption, also when --kill-on-bad-exit then killed the others (srun: 137), and so is
+  # a task killed by the USR1 forwarded above while it started; a crashed task (SIGABRT, SIGSEGV...) never is
+  # (slurm/step_exit.sh)
+  rc=$(step_exit_code "$rc" "$tmp/srun" "$module" "${signalled:+User defined signal 1}")  # the USR1 forwarded
   rm -rf "$tmp"
   if [ "$rc" -eq "$EXIT_PREEMPTED" ] && [ "$signalled" != TERM ]; then
     if [ "$restarts" -lt "$MAX_RESTARTS" ]; then

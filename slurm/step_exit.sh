@@ -12,14 +12,17 @@
 declare -A CRASH_CODES=([Aborted]=134 ["Segmentation fault"]=139 ["Bus error"]=135
                         ["Floating point exception"]=136 ["Illegal instruction"]=132)
 
-# `step_exit_code RC LINES_FILE MODULE`: prints the step's code, from srun's code RC and srun's lines:
-#   - a task that crashed (died of any signal but srun's own TERM and KILL): 128 + N, never 75, and one line on
-#     stderr naming the task and the signal;
+# `step_exit_code RC LINES_FILE MODULE [FORWARDED]`: prints the step's code, from srun's code RC and srun's lines;
+# FORWARDED: srun's name of the preemption signal job.sh passed on to the step ("User defined signal 1"), if any:
+#   - a task that died of FORWARDED had not installed its handler yet (the interpreter's start-up: the jobs install
+#     it first thing), so it had nothing to save: preempted, as if it exited 75;
+#   - a task that crashed (died of any other signal but srun's own TERM and KILL): 128 + N, never 75, and one line
+#     on stderr naming the task and the signal;
 #   - else a task's own code other than 75 (1 error, 2 usage, 3 diverged), the first listed;
 #   - else 75 if a task exited 75 (preempted: every rank passed the checkpoint's last barrier before any exits);
 #   - else RC.
 step_exit_code() {
-  local rc=$1 lines=$2 module=$3 line tasks what crashed="" own="" preempted=""
+  local rc=$1 lines=$2 module=$3 forwarded=${4:-} line tasks what crashed="" own="" preempted=""
   while IFS= read -r line; do
     [[ $line =~ ^srun:\ error:\ [^\ ]+:\ (tasks?\ [0-9,-]+):\ (.+)$ ]] || continue
     tasks=${BASH_REMATCH[1]} what=${BASH_REMATCH[2]}
@@ -27,6 +30,7 @@ step_exit_code() {
       "Exited with exit code $EXIT_PREEMPTED") preempted=1 ;;
       "Exited with exit code "*) own=${own:-${what##* }} ;;
       Killed | Terminated) ;;  # --kill-on-bad-exit ending the others
+      "$forwarded") preempted=1 ;;  # still starting: no handler yet, nothing to save
       *) if [ -z "$crashed" ]; then
            crashed=$what
            echo "$module: $tasks crashed ($what): not a preemption, not requeued" >&2

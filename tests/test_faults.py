@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -536,11 +537,38 @@ def test_a_crashed_rank_is_never_reported_as_preempted(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == "launch.run: rank 1 was killed by SIGABRT"
 
 
+# ranks still starting: the interpreter runs, the job's first line (its handler) has not yet
+_STARTING_RANKS = """
+import os, sys, time
+open(os.path.join(sys.argv[1], f"ready.{os.environ['RANK']}"), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_ranks_killed_by_a_preemption_while_starting_exit_preempted(tmp_path, sig):
+    # a preemption signal that reaches the ranks before their handlers are installed (the interpreter's start-up,
+    # before the job's first line) kills them: the job was preempted all the same, with nothing to save, so 75
+    # (requeued), not 143 or 138 (a crash: not requeued); the rank's window is short, so a script stands in for it
+    script = tmp_path / "ranks.py"
+    script.write_text(_STARTING_RANKS)
+    launcher = subprocess.Popen([sys.executable, "-m", "launch.run", "--standalone", "--nproc-per-node", "2",
+                                 str(script), str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: launcher.poll() is not None or all((tmp_path / f"ready.{r}").exists() for r in (0, 1)),
+              "the ranks")
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=HANG_S)
+    assert launcher.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert err.strip().splitlines()[-1] == \
+        f"launch.run: preempted by {sig.name} while the ranks started: nothing to save, exiting {EXIT_PREEMPTED}"
+
+
 # srun's line per ended task (its format: "srun: error: HOSTS: task(s) IDS: strsignal, or exit code") and srun's
 # code (128 + the highest signal of any task, above every exit code) -> slurm/job.sh's code, and its crash line
 _KILLED = "srun: error: node1: task 0: Killed"  # --kill-on-bad-exit ending the others
 _ABORTED = "srun: error: node2: task 1: Aborted (core dumped)"
 _CRASH = "pretrain.train: task 1 crashed ({}): not a preemption, not requeued\n"
+_USR1 = "srun: error: node[1-2]: tasks 0-1: User defined signal 1"
 _STEPS = {
     "preempted, peers killed while exiting": (137, ["srun: error: node2: task 1: Exited with exit code 75", _KILLED],
                                               EXIT_PREEMPTED, ""),
@@ -552,15 +580,19 @@ _STEPS = {
                  _CRASH.format("Segmentation fault")),
     "an error": (137, ["srun: error: node2: task 1: Exited with exit code 1", _KILLED], EXIT_FAILED, ""),
     "a lost node": (137, ["srun: error: node2: task 1: Killed", _KILLED], 137, ""),
+    # job.sh forwarded the time limit's USR1 while the tasks started (no handler yet: its default action kills)
+    "USR1 forwarded while the tasks started": (138, [_USR1], EXIT_PREEMPTED, "", "User defined signal 1"),
+    "USR1 that job.sh did not forward": (138, [_USR1], 138,
+                                         _CRASH.format("User defined signal 1").replace("task 1", "tasks 0-1")),
 }
 
 
 @pytest.mark.parametrize("step", _STEPS)
 def test_job_sh_requeues_a_tasks_own_preemption_only(tmp_path, step):
-    srun_code, lines, code, line = _STEPS[step]
+    srun_code, lines, code, line, *forwarded = _STEPS[step]
     (tmp_path / "srun").write_text("".join(f"{line}\n" for line in ["srun: Job step aborted", *lines]))
     out = subprocess.run(["bash", "-c", f"EXIT_PREEMPTED={EXIT_PREEMPTED}; source slurm/step_exit.sh; "
-                          f"step_exit_code {srun_code} {tmp_path / 'srun'} pretrain.train"],
+                          f"step_exit_code {srun_code} {tmp_path / 'srun'} pretrain.train {shlex.join(forwarded)}"],
                          cwd=REPO, capture_output=True, text=True, check=True)
     assert (int(out.stdout), out.stderr) == (code, line)
 
