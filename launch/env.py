@@ -9,6 +9,7 @@ shared node do not collide.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -93,11 +94,27 @@ def distributed_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
 
 
+# where free_port picks: below SLURM jobs' 20000-29999 (slurm/job.sh) and the tests' 30000-32767
+# (tests/distributed.py), far below Linux's ephemeral ports (32768-60999 by default)
+RENDEZVOUS_PORTS = range(10000, 20000)
+
+
 def free_port() -> int:
-    """A port free now (the kernel's pick), for a rendezvous its caller binds next."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a rendezvous its caller binds next: a random one of RENDEZVOUS_PORTS that binds now.
+    Not the kernel's pick (bind to port 0): that is an ephemeral port, which the kernel can hand out again, to
+    another process's outgoing connection, before the job binds it (a study cell's rank 0 once failed with
+    EADDRINUSE beside a full test suite). Random from the OS (`SystemRandom`), not `random`, which jobs seed:
+    concurrent cells with the same seed would pick the same port."""
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.choice(RENDEZVOUS_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT from a job that just ended
+                continue
+            return port
+    raise RuntimeError(f"no free port found in 100 tries of ports {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}")
 
 
 # Megatron's setting for tensor parallelism: TP's communication kernels run in the order they are issued with the

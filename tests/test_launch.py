@@ -89,3 +89,22 @@ def test_local_launcher_rejects_zero_processes() -> None:
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "--nproc-per-node 0 must be at least 1" in out.stderr.strip().splitlines()[-1]
+
+
+def test_free_port_is_outside_the_kernels_ephemeral_range_and_unseeded() -> None:
+    # the kernel's own pick (bind to port 0) is an ephemeral port, which it may hand to another process's outgoing
+    # connection before the job binds it: a study cell's rank 0 failed with EADDRINUSE beside a full suite. A pick
+    # from `random`, which the jobs seed, would give concurrent cells of one seed the same port
+    import random
+    import socket
+
+    from launch.env import RENDEZVOUS_PORTS, free_port
+
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    picks = []
+    for _ in range(5):
+        random.seed(0)
+        picks.append(free_port())
+    assert all(port in RENDEZVOUS_PORTS and port < low for port in picks) and len(set(picks)) > 1, picks
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", picks[-1]))  # free when picked
