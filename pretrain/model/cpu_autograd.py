@@ -130,8 +130,7 @@ class CrossAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_proj: torch.Tensor, kv_proj: torch.Tensor, mask: torch.Tensor | None, heads: int,
                 d_kv: int) -> torch.Tensor:
-        k, v = head_views(kv_proj, heads, 2, d_kv)
-        out, probs = _attend(head_views(q_proj, heads, 1, d_kv)[0], k, v, mask)
+        out, probs = _attend(*_cross_views(q_proj, kv_proj, heads, d_kv), mask)
         ctx.save_for_backward(q_proj, kv_proj, probs)
         ctx.heads, ctx.d_kv = heads, d_kv
         return out
@@ -140,10 +139,14 @@ class CrossAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q_proj, kv_proj, probs = ctx.saved_tensors
         grad_q, grad_kv = torch.empty_like(q_proj), torch.empty_like(kv_proj)
-        _attend_backward((head_views(q_proj, ctx.heads, 1, ctx.d_kv)[0], *head_views(kv_proj, ctx.heads, 2, ctx.d_kv)),
-                         probs, grad,
-                         (head_views(grad_q, ctx.heads, 1, ctx.d_kv)[0], *head_views(grad_kv, ctx.heads, 2, ctx.d_kv)))
+        _attend_backward(_cross_views(q_proj, kv_proj, ctx.heads, ctx.d_kv), probs, grad,
+                         _cross_views(grad_q, grad_kv, ctx.heads, ctx.d_kv))
         return grad_q, grad_kv, None, None, None
+
+
+def _cross_views(q_proj: torch.Tensor, kv_proj: torch.Tensor, heads: int, d_kv: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v) [b, heads, n|m, d_kv] views of the query projection and the fused K|V projection."""
+    return (*head_views(q_proj, heads, 1, d_kv), *head_views(kv_proj, heads, 2, d_kv))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
