@@ -241,12 +241,17 @@ def test_cpu_autograd_functions_equal_plain_forms(monkeypatch):
             assert not calls
 
 
-def test_vanilla_attention_function_equals_plain_form():
+@pytest.mark.parametrize("transposed", [False, True], ids=["direct", "transposed"])
+def test_vanilla_attention_function_equals_plain_form(transposed, monkeypatch):
     # the eager CPU core of a vanilla layer (Q, K, V read from the fused projection, gradients written into it)
     # against _split_heads + softmax(Q K^T + additive) V, in float64: a learned bias alone, bias + padding mask
-    # (the bias's gradient summed over the batch), a mask alone (no gradient), nothing
+    # (the bias's gradient summed over the batch), a mask alone (no gradient), nothing; dK and dV in both forms
+    # (the transposed one, for long sequences, from 1 query on here)
+    import pretrain.model.cpu_autograd as cpu_autograd
     from pretrain.model.attention import _split_heads
     from pretrain.model.cpu_autograd import VanillaAttentionFunction
+
+    monkeypatch.setattr(cpu_autograd, "_TRANSPOSED_FROM", 1 if transposed else 10**9)
 
     b, n, heads, d_kv = 2, 5, 3, 4
     g = torch.Generator().manual_seed(0)
@@ -273,11 +278,16 @@ def test_vanilla_attention_function_equals_plain_form():
         torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
 
 
-def test_cross_attention_function_equals_plain_form():
+@pytest.mark.parametrize("transposed", [False, True], ids=["direct", "transposed"])
+def test_cross_attention_function_equals_plain_form(transposed, monkeypatch):
     # the eager CPU core of cross-attention (K, V read from the encoder output's fused projection, their gradients
-    # written into one) against _split_heads + SDPA, in float64: unpadded (no mask) and with a padding mask
+    # written into one) against _split_heads + SDPA, in float64: unpadded (no mask) and with a padding mask; dK
+    # and dV in both forms
+    import pretrain.model.cpu_autograd as cpu_autograd
     from pretrain.model.attention import _split_heads
     from pretrain.model.cpu_autograd import CrossAttentionFunction
+
+    monkeypatch.setattr(cpu_autograd, "_TRANSPOSED_FROM", 1 if transposed else 10**9)
 
     b, n, m, heads, d_kv = 2, 3, 5, 3, 4
     g = torch.Generator().manual_seed(0)
@@ -330,8 +340,8 @@ def test_cpu_train_step_skips_measured_waste():
     assert backward.seen.count("embedding_dense_backward") == 1
     assert backward.seen.count("cat") == 1  # the one gradient of the encoder and decoder embeddings
     assert not {"tanh", "gelu", "pow", "max"} & set(forward.seen), sorted(set(forward.seen))
-    assert not {"select_backward", "gelu_backward", "tanh_backward", "pow"} & set(backward.seen), \
-        sorted(set(backward.seen))
+    assert not {"select_backward", "tanh_backward", "pow"} & set(backward.seen), sorted(set(backward.seen))
+    assert backward.seen.count("gelu_backward") == 4  # ATen's fused kernel, once in each FFN's GatedGeluFunction
     assert "exp_" not in forward.seen  # the loss's softmax is one kernel
     assert "stack" not in backward.seen  # nor cross-attention's K, V (CrossAttentionFunction)
     assert not {"_scaled_dot_product_flash_attention_for_cpu_backward"} & set(backward.seen)  # its slow backward
