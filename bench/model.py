@@ -107,11 +107,12 @@ def train_step_times(batch: int, reps: int, flush_denormal: bool = False) -> tup
     return tuple(tuple(statistics.median(t) for t in pair) for pair in (wall, user))
 
 
-def profile_step(batch: int, reps: int) -> None:
-    """Per-op CPU time of a step, ours against HF's, with flush-to-zero on one thread (bench/op_profile.py)."""
+def profile_step(batch: int, reps: int, shapes: bool = False) -> None:
+    """Per-op CPU time of a step, ours against HF's, with flush-to-zero on one thread (bench/op_profile.py);
+    `shapes`: the GEMMs per operand shapes and strides."""
     with _threads(flush_denormal=True):
         steps = dict(zip(("ours", "HF"), _train_steps(batch)))
-        print_op_table(op_times(steps, reps))
+        print_op_table(op_times(steps, reps, shapes))
 
 
 @contextlib.contextmanager
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions (median); one warm-up extra")
     parser.add_argument("--step-only", action="store_true", help="only the train-step ratios (no matmul, attention)")
     parser.add_argument("--profile", action="store_true", help="also the per-op CPU time of a step, ours vs HF")
+    parser.add_argument("--gemm-shapes", action="store_true", help="with --profile: GEMMs per operand shapes, strides")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     print(f"{_cpu_name()}, torch {torch.__version__}, {threads} threads, fp32, batch {args.batch}")
@@ -199,7 +201,7 @@ def main() -> None:
                   f"rate (HF {flops / hf / 1e9 / rate:.0%})")
     if args.profile:
         print("\nper-op CPU time of one step (flush-to-zero, 1 thread; min over the repetitions), ms")
-        profile_step(args.batch, args.reps)
+        profile_step(args.batch, args.reps, args.gemm_shapes)
     worse = max(ratios, key=ratios.get)
     print(f"\nstep ratio ours/HF (issue 31: the worse of as shipped and flush-to-zero 1 thread): "
           f"{ratios[worse]:.2f} ({worse}; " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + ")")
