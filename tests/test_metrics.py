@@ -56,9 +56,9 @@ def test_disabled_logger_writes_nothing(tmp_path):
 
 
 def test_measured_matmul_rate_agrees_with_an_independent_timing():
-    # torch's own benchmark timer over the same product: 2 n^3 FLOPs per n x n x n matmul. Both sides time bursts
-    # of 16 products, interleaved, best of 10 each: a busy shared machine then slows both alike (best-of-3 of
-    # 0.2 s runs against best-of-3 bursts once read half the rate under load)
+    # torch's own benchmark timer over the same product: 2 n^3 FLOPs per n x n x n matmul. The timer's mean over
+    # bursts of 16 products, ours the fastest product of 16, interleaved, best of 10 each: a busy shared machine
+    # then slows both alike (best-of-3 of 0.2 s runs against best-of-3 bursts once read half the rate under load)
     n = 256
     a, b = torch.randn(n, n), torch.randn(n, n)
     timer = benchmark.Timer("a @ b", globals={"a": a, "b": b})
