@@ -8,8 +8,8 @@ Why: on a CPU every elementwise op is a pass over memory, and autograd different
 the normalised x as well), `F.gelu(approximate="tanh")` spends most of its time in `tanh`, and the gradient of
 the fused `wi` output is two halves glued by a `cat`. Measured at one encoder layer's shapes on one thread
 (T5-small, batch 4 x 512, fp32, least of 60-100 interleaved runs on the loaded 2-core machine): RMSNorm
-forward + backward 7.7-8.4 -> 4.5-5.2 ms; the gated GELU forward 9.7-10.0 -> 7.6-8.3 ms, its backward 20.9 -> 14.1
-ms with ATen's fused `gelu_backward` for the gate (another 2-core Intel Xeon, quiet, least of 15).
+forward + backward 7.7-8.4 -> 4.5-5.2 ms; the gated GELU forward 9.7-10.0 -> 7.6-8.3 ms (its backward: the
+class's docstring).
 
 `use_cpu_autograd(x)` says where they are used: fp32/fp64 tensors on the CPU outside torch.compile. On CUDA
 `F.rms_norm` and `F.gelu` are fused kernels already; under torch.compile inductor fuses the plain chains.
