@@ -1,5 +1,6 @@
 """The jobs' command line as a user meets it: `--help` lists every key with its default and meaning, exits 0
-and answers before torch is imported; megatron's import-time warnings are not printed."""
+and answers before torch is imported; megatron-core and DeepSpeed import
+without megatron's warnings, TorchDynamo or wandb."""
 import ast
 import dataclasses
 import subprocess
@@ -58,7 +59,25 @@ def test_help_lists_every_key_with_default_and_meaning_without_torch(job, schema
     assert [k for k, (_, meaning) in listed.items() if not meaning] == []
 
 
-def test_megatron_import_warnings_are_silenced():
-    r = subprocess.run([sys.executable, "-c", "import pretrain.train"], capture_output=True, text=True)
+# after `import pretrain.train`: what megatron's import pulled in, and whether what it borrowed was given back
+LEAN_IMPORT = """
+import sys, torch
+real_compile = torch.compile
+import pretrain.train
+import megatron.core.jit
+import deepspeed.runtime.zero.muon.muon_optimizer  # what deepspeed.initialize imports to check the optimizer
+print(sorted(m for m in ("torch._dynamo", "torch._inductor.compile_fx", "wandb") if m in sys.modules),
+      torch.compile is real_compile, megatron.core.jit.jit_fuser is real_compile)
+import wandb  # still importable for log.wandb
+print(wandb.__name__)
+"""
+
+
+def test_megatron_imports_silently_without_compile_or_wandb():
+    """pretrain/__init__.py: no import-time warnings; neither megatron-core's import nor DeepSpeed's Muon module
+    imports TorchDynamo / Inductor, and megatron-core does not import wandb (4.5 s a process); torch.compile,
+    megatron's jit_fuser and wandb are left as they were."""
+    r = subprocess.run([sys.executable, "-c", LEAN_IMPORT], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "Transformer Engine and Apex" not in r.stderr
+    assert r.stdout.splitlines()[-2:] == ["[] True True", "wandb"], r.stdout
