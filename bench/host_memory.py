@@ -37,6 +37,9 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
     from pretrain.transfer.exporting import export
 
     init_single_process()
+    # TorchDynamo: imported on first use by torch's meta-tensor decompositions (the load plan's shape checks) and
+    # by every optimizer's constructor; code, not model data (pretrain/__init__.py keeps it out of the imports)
+    import torch._dynamo  # noqa: F401
     if what == "export":  # what the export imports as it runs: DeepSpeed's checkpoint readers, HF's tokenizer
         import deepspeed.runtime.fp16.loss_scaler  # noqa: F401
         import deepspeed.runtime.zero.config  # noqa: F401

@@ -79,7 +79,6 @@ def _run_timed(cmd: list[str], log_file: Path) -> tuple[int, float]:
         return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
-
 _SAY = threading.Lock()
 
 
@@ -153,8 +152,6 @@ def _stage(cell: Cell, name: str, cmd: list[str]) -> bool:
     return True
 
 
-
-
 def run_pretrain(cfg: StudyConfig, cell: Cell) -> bool:
     return _stage(cell, "pretrain", _module(cfg, "pretrain.train", pretrain_args(cfg, cell)))
 
@@ -187,18 +184,6 @@ def run_cell(cfg: StudyConfig, cell: Cell, stages: tuple[str, ...] = ("pretrain"
     (cell.dir / "failed.json").unlink(missing_ok=True)  # a rerun retries a failed cell
     ok = "pretrain" not in stages or run_pretrain(cfg, cell)
     return ok and ("downstream" not in stages or run_downstream(cfg, cell))
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------------------
