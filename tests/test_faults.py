@@ -306,8 +306,8 @@ def test_a_filesystem_turning_read_only_is_reported_by_its_first_error(shards, s
 
 def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
     """Rank 0 waits in a collective of megatron's group that rank 1 never joins; rank 1 waits for rank 0's
-    verdict. With parallel.timeout_s=20 rank 0 fails within seconds; with megatron's default it would wait 30 min
-    (and rank 1's 300 s guard would report it)."""
+    verdict. With parallel.timeout_s=8 rank 0 fails within seconds (both ranks are forked at once, so set-up never
+    comes near it); with megatron's default it would wait 30 min (and rank 1's 300 s guard would report it)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -315,7 +315,7 @@ def _timeout_of(rank: int, world: int, tensor: int, flag: str) -> str:
     from pretrain.core.config import ParallelConfig
     from pretrain.distributed.parallel import init_distributed
 
-    init_distributed(ParallelConfig(tensor=tensor, timeout_s=20), seed=0)
+    init_distributed(ParallelConfig(tensor=tensor, timeout_s=8), seed=0)
     group = parallel_state.get_tensor_model_parallel_group() if tensor == 2 else \
         parallel_state.get_data_parallel_group()
     if rank == 0:
