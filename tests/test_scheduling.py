@@ -10,6 +10,7 @@ from tests.scheduling import pytest_xdist_make_scheduler, unit_seconds, work_uni
 
 REPO = Path(__file__).resolve().parents[1]
 FINETUNE = "tests/test_finetune.py::test_a_pretrained_export_finetunes_on_real_polarity_data"
+SIGNALS = "tests/test_faults.py::test_signals_to_the_launched_job_exit_preempted_from_start_up_to_exit"
 
 
 def _suite() -> list[str]:
@@ -79,6 +80,6 @@ def test_each_free_worker_takes_the_longest_unit_left():
     order = [work_unit(suite[indices[0]]) for indices in log]  # one unit per send, whole
     assert all({work_unit(suite[i]) for i in indices} == {unit} for indices, unit in zip(log, order))
     assert sorted(order) == sorted(units) and sum(done.values()) == len(suite)  # each unit once, every test run
-    assert order[:3] == ["tests/test_study.py::study", "slurm", FINETUNE]
+    assert order[:4] == ["tests/test_study.py::study", "slurm", SIGNALS, FINETUNE]
     seconds = [unit_seconds(u, units[u]) for u in order]
     assert seconds == sorted(seconds, reverse=True), list(zip(order, seconds))[:12]
