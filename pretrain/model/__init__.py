@@ -60,9 +60,9 @@ def build_model(cfg: ModelConfig, activation_checkpointing: str | bool = "none",
     check_model(cfg, tp)
     if cfg.vocab_size == 0:
         raise ValueError("model.vocab_size is 0 (the tokenizer's ids): resolve it with with_vocab before building")
-    # on the meta device (the planner's shapes) there are no values to draw: megatron's layers skip their init
-    mp_config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                    params_dtype=torch.float32, perform_initialization=torch.device(device).type != "meta")
+    mp_config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32
+    )
     with torch.device(device):
         model = T5Model(cfg, mp_config, tp_group, checkpointing_mode(activation_checkpointing), sdpa)
     if compile:
