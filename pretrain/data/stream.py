@@ -44,10 +44,10 @@ import torch
 
 from pretrain.core.config import UsageError
 from pretrain.core.redact import redact
-from pretrain.data import IGNORE_INDEX
 from pretrain.data.remote import Retry
 from pretrain.data.shards import decode_pack, num_pack_documents, read_packs
 from pretrain.data.span_corruption import span_corrupt
+from pretrain.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch
 from pretrain.core.config import Config, UsageError, load_config
 from pretrain.core.files import write_atomic
 from pretrain.core.redact import redact
-from pretrain.data import IGNORE_INDEX
 from pretrain.data.loader import build_eval_loader
+from pretrain.model.loss import IGNORE_INDEX
 
 
 def unigram_baseline(labels: Iterable[torch.Tensor]) -> dict:

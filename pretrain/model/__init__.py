@@ -11,9 +11,9 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.data import IGNORE_INDEX  # the label the loss skips, which the collators write on padding
 from pretrain.distributed.parallel import check_parallel, init_single_process, tensor_parallel_group
 from pretrain.model.generation import generate_greedy
+from pretrain.model.loss import IGNORE_INDEX
 from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.sharding import full_state_dict, load_full_state_dict, universal_checkpoint_info
 from pretrain.model.t5 import T5Model, T5Output, checkpointing_mode, vocab_parallel_argmax

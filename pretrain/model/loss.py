@@ -1,6 +1,6 @@
-"""The training loss: vocab-parallel cross-entropy (megatron's algorithm and backward) that keeps subnormal floats
-out of the softmax and its gradient, and leaves the logits it is given intact. (The label it skips, IGNORE_INDEX,
-is the data's: pretrain.data, so that a data-only process never imports the model.)
+"""The training loss: the label it skips (`IGNORE_INDEX`, which the data collators write on padding) and
+vocab-parallel cross-entropy (megatron's algorithm and backward) that keeps subnormal floats out of the softmax
+and its gradient, and leaves the logits it is given intact.
 
 Why: with T5 v1.1's LM-head init the logits have a standard deviation of about sqrt(d_model) (~22 for
 T5-small), so 28% of a 32k softmax lies below float32's smallest normal number (1.2e-38). x86 CPUs run
@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 
 from pretrain.model.cpu_autograd import use_cpu_autograd
 
+IGNORE_INDEX = -100  # the label of a target position the loss skips (padding): torch's and HF's default
 _FLOOR = -50.0  # log-probability floor relative to the row maximum, before normalisation
 
 

@@ -18,13 +18,12 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.data import IGNORE_INDEX
 from pretrain.distributed.parallel import padded_vocab_size, tensor_parallel_group
 from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, add_optional, bias_placement
 from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, use_cpu_autograd
 from pretrain.model.init import init_scope, model_init
 from pretrain.model.layers import ColumnLinear, RowLinear
-from pretrain.model.loss import vocab_parallel_cross_entropy
+from pretrain.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from pretrain.model.mixers import parse_mixers
 
 
