@@ -10,6 +10,7 @@ in both major versions; tests/test_hf_versions.py).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -63,16 +64,20 @@ def _key(*parts: object, code: tuple[str, ...]) -> str:
 
 
 def _build_once(folder: Path, build) -> Path:
-    """Run build(tmp) unless `folder` exists; the result appears atomically under `folder`."""
-    if not folder.is_dir():
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        build(tmp)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another session finished the same build first
+    """Run build(tmp) unless `folder` exists; the result appears atomically under `folder`. One build at a time per
+    folder: another xdist worker or session that needs it waits for that build rather than running the same one
+    beside it (on a fresh machine both workers' first tests need the text, tokenizer and shards)."""
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f"{folder.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when build() raises
+        if not folder.is_dir():
+            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            build(tmp)
+            tmp.rename(folder)
     return folder
 
 
