@@ -9,7 +9,7 @@ setup: $(STAMP)
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv .venv
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
-	@# the bytecode on every core (pip compiles on one: 155 s in all on 2 cores, this way 105 s). Like pip, it skips
+	@# the bytecode on every core (pip compiles on one: make setup took 155 s on 2 cores, this way 119 s). Like pip, it skips
 	@# what does not compile (one torch test file in Python 3.12 syntax), hence the `|| true`
 	$(PY) -m compileall -qq -j 0 .venv/lib > /dev/null || true
 	touch $(STAMP)
