@@ -49,7 +49,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         d = x.shape[-1]
-        gx = (grad * x).view(-1, d)  # [rows, d]: the one full-size product both gradients read
+        gx = (grad * x).reshape(-1, d)  # [rows, d]: the one full-size product both gradients read
         # grad_weight = sum over rows of g xhat = (g x)^T rstd, a matrix-vector product (no xhat, no column sum)
         grad_weight = torch.mv(gx.t(), rstd.view(-1)) if ctx.needs_input_grad[1] else None
         # dx = rstd (g w - xhat mean(g w xhat)) = rstd g w - x rstd^3 ((g x) @ w) / d
