@@ -181,7 +181,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_p
                                 data=None, inputs=None, config_yaml="", universal_info={})
     manager._prune(newest="step_12")
     assert sorted(p.name for p in root.iterdir()) == ["step_12", "step_8"]
-    manager = CheckpointManager(CheckpointConfig(keep=0), root, dims=None, engine=None, progress=Progress(),
+    manager = CheckpointManager(CheckpointConfig(keep=1), root, dims=None, engine=None, progress=Progress(),
                                 data=None, inputs=None, config_yaml="", universal_info={})
     manager._prune(newest="step_12")
     assert [p.name for p in root.iterdir()] == ["step_12"]  # never the newest complete one

@@ -1,11 +1,14 @@
 """Config loading: defaults < file < overrides, one-line errors for user mistakes, YAML round trip."""
+import dataclasses
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from pretrain.core.config import Config, ConfigError, load_config, parse_args, save_config
+from pretrain.core.finetune_config import FinetuneConfig
 
 TINY = "configs/tiny.yaml"
 
@@ -23,7 +26,8 @@ def test_precedence_defaults_file_overrides():
     [
         (["model.num_head=3"], "unknown config key 'model.num_head'; did you mean 'model.num_heads'?"),
         (["train.steps=abc"], "bad value for config key 'train.steps'"),
-        (["steps=3"], "unknown config key 'steps'"),
+        (["steps=3"], "unknown config key 'steps'; did you mean 'train.steps' or 'profile.steps'?"),
+        (["model.micro_batch=3"], "unknown config key 'model.micro_batch'; did you mean 'train.micro_batch'?"),
         (["train.steps"], "is not of the form section.key=value"),
         (["train.steps="], "bad value for config key 'train.steps': Value '' of type 'str' could not be converted"),
         (["train.steps=0"], "train.steps (0) must be >= 1"),
@@ -61,6 +65,14 @@ def test_precedence_defaults_file_overrides():
         (["model.dropout=1.5"], "model.dropout (1.5) must be in [0, 1)"),
         (["train=3"], "bad value for config key 'train': it is a section of keys (train.steps, train.micro_batch, "
                       "...), not the int 3"),
+        # accepted silently before (a traceback for data.shuffle_buffer): issue 45
+        (["checkpoint.every=-1"], "checkpoint.every (-1) must be >= 0"),
+        (["checkpoint.keep=0"], "checkpoint.keep (0) must be >= 1"),
+        (["checkpoint.keep=-1"], "checkpoint.keep (-1) must be >= 1"),
+        (["data.shuffle_buffer=-3"], "data.shuffle_buffer (-3) must be >= 1"),
+        (["train.micro_batch=0"], "train.micro_batch (0) must be an integer >= 1 or auto"),
+        (["train.beta2=1"], "train.beta2 (1.0) must be in [0, 1)"),
+        (["model.layer_norm_eps=0"], "model.layer_norm_eps (0.0) must be > 0"),
     ],
 )
 def test_user_mistakes_are_one_line(override, expected):
@@ -89,6 +101,30 @@ def test_finetuning_takes_the_same_rules(override, expected):
         load_config(FinetuneConfig, "configs/finetune/sst2.yaml", [override])
 
 
+# the data path's own keys, bounded by the data path's rules (issue 44)
+DATA_PATH_KEYS = {"data.input_length", "data.streams"}
+
+
+def _numeric_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, hint in typing.get_type_hints(schema).items():
+        if dataclasses.is_dataclass(hint):
+            keys += _numeric_keys(hint, f"{prefix}{name}.")
+        elif hint in (int, float) or typing.get_origin(hint) is typing.Union and {int, float} & set(typing.get_args(hint)):
+            keys.append(prefix + name)
+    return keys
+
+
+@pytest.mark.parametrize("schema, path", [(Config, TINY), (FinetuneConfig, "configs/finetune/sst2.yaml")])
+def test_every_numeric_key_has_its_bound(schema, path):
+    # -1 is out of range for every number of both jobs (a size, a count, a step, a rate, a seed): refused naming it
+    keys = [k for k in _numeric_keys(schema) if k not in DATA_PATH_KEYS]
+    assert {"checkpoint.every", "checkpoint.keep", "train.lr", "train.micro_batch"} <= set(keys)
+    for key in keys:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \(-1(\.0)?\) must be"):
+            load_config(schema, path, [f"{key}=-1"])
+
+
 def test_an_empty_override_is_the_empty_string(tmp_path):
     # data.valid's empty value means "no validation data", as `valid: ''` in YAML does
     path = tmp_path / "run.yaml"
@@ -106,6 +142,30 @@ def test_a_section_given_a_value_is_named(tmp_path):
     path.write_text("model:\n  d_model: 64\nlog: 5\n")
     with pytest.raises(ConfigError, match=r"bad value for config key 'log': .*not the int 5"):
         load_config(Config, path)
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_named(tmp_path):
+    # PyYAML keeps the last: the first `train:` section's keys were dropped without a word
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 3\nmodel:\n  d_model: 64\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: the key 'train' is given twice (lines 1 and 5); the "
+                                                    "second would replace the first and all its keys: merge them")):
+        load_config(Config, path)
+    path.write_text("train:\n  steps: 3\n  steps: 4\n")  # inside a section too
+    with pytest.raises(ConfigError, match=re.escape("the key 'steps' is given twice (lines 2 and 3)")):
+        load_config(Config, path)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", "configs"], "the config configs is a folder; give a YAML file in it (_t5_v1_1.yaml, base.yaml"),
+    (["--config", TINY, "--config=configs/small.yaml"],
+     "--config is given 2 times (configs/tiny.yaml, configs/small.yaml); give one file"),
+])
+def test_config_flag_mistakes_are_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(Config, argv, prog="x")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(f"x: error: {expected}")
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -44,11 +44,25 @@ def check_choice(key: str, value: object, choices: Sequence[object]) -> None:
         raise ConfigError(f"{key} '{value}' is not one of {', '.join(map(str, choices))}")
 
 
-def check_at_least(section: str, cfg: object, lows: dict[str, int]) -> None:
+def check_at_least(section: str, cfg: object, lows: dict[str, float]) -> None:
     """A section's single-key lower bounds (its `__post_init__` calls this): `section.key (value) must be >= low`."""
     for key, low in lows.items():
-        if getattr(cfg, key) < low:
+        if not getattr(cfg, key) >= low:  # also NaN
             raise ConfigError(f"{section}.{key} ({getattr(cfg, key)}) must be >= {low}")
+
+
+def check_above(section: str, cfg: object, keys: Sequence[str]) -> None:
+    """Keys that must be > 0 (a scale, an epsilon): `section.key (value) must be > 0`."""
+    for key in keys:
+        if not getattr(cfg, key) > 0:  # also NaN
+            raise ConfigError(f"{section}.{key} ({getattr(cfg, key)}) must be > 0")
+
+
+def check_fraction(section: str, cfg: object, keys: Sequence[str]) -> None:
+    """Keys that are a rate in [0, 1) (dropout, a moment's decay): `section.key (value) must be in [0, 1)`."""
+    for key in keys:
+        if not 0.0 <= getattr(cfg, key) < 1.0:  # also NaN
+            raise ConfigError(f"{section}.{key} ({getattr(cfg, key)}) must be in [0, 1)")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -62,6 +76,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.dir.strip():  # Path("") is the current folder: checkpoints would land wherever the job starts
             raise ConfigError("run.dir is empty; name the run folder (run.dir=runs/NAME)")
+        check_at_least("run", self, {"seed": 0})
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class ParallelConfig:
     timeout_s: int = 600  # process-group timeout: a dead rank makes the others fail after this long
 
     def __post_init__(self) -> None:
-        check_at_least("parallel", self, {"tensor": 1})  # dividing the world size: pretrain.distributed.parallel
+        check_at_least("parallel", self, {"tensor": 1, "timeout_s": 1})  # dividing the world size: pretrain.distributed.parallel
         check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
 
 
@@ -85,6 +100,7 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage ({self.stage}) must be 0, 1, 2 or 3")
+        check_at_least("zero", self, {"reduce_bucket_size": 1, "allgather_bucket_size": 1})
 
 
 @dataclass(frozen=True)
@@ -115,10 +131,11 @@ class ModelConfig:
                 raise ConfigError(f"model.{key} '{getattr(self, key)}' must be one of {', '.join(allowed)}")
         if self.vocab_size < 0:
             raise ConfigError(f"model.vocab_size ({self.vocab_size}) must be >= 0 (0: the tokenizer's ids)")
-        check_at_least("model", self, {"d_model": 1, "d_ff": 1, "d_kv": 1, "num_heads": 1, "max_length": 1,
-                                       "factorized_k": 1, "relative_attention_num_buckets": 4})
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout ({self.dropout}) must be in [0, 1)")
+        check_at_least("model", self, {"d_model": 1, "d_ff": 1, "d_kv": 1, "num_heads": 1, "num_layers": 1,
+                                       "num_decoder_layers": 1, "max_length": 1, "factorized_k": 1,
+                                       "relative_attention_num_buckets": 4, "relative_attention_max_distance": 1})
+        check_fraction("model", self, ("dropout",))
+        check_above("model", self, ("layer_norm_eps", "initializer_factor"))
 
 
 POSITION_BIAS = ("all", "vanilla", "none")  # docs/model.md, "Position bias"
@@ -158,7 +175,11 @@ class TrainConfig:
     compile: bool = False  # torch.compile each encoder and decoder layer
 
     def __post_init__(self) -> None:
-        check_at_least("train", self, {"steps": 1, "exit_after": 0, "max_skipped_steps": 0, "warmup_steps": 0})
+        check_at_least("train", self, {"steps": 1, "global_batch": 1, "exit_after": 0, "max_skipped_steps": 0,
+                                       "warmup_steps": 0, "weight_decay": 0, "min_lr": 0, "grad_clip": 0})
+        if self.micro_batch != "auto" and not (isinstance(self.micro_batch, int) and self.micro_batch >= 1):
+            raise ConfigError(f"train.micro_batch ({self.micro_batch}) must be an integer >= 1 or auto")
+        check_fraction("train", self, ("beta1", "beta2"))
         check_choice("train.optimizer", self.optimizer, OPTIMIZERS)
         check_choice("train.schedule", self.schedule, SCHEDULES)
         if self.lr != "auto":  # auto: fine-tuning's width rule (pretrain.runtime.schedule.with_finetune_lr)
@@ -214,7 +235,7 @@ class DataConfig:
     http_retries: int = 6  # http(s) shards: failed attempts retried in a row, with backoff 1, 2, 4 ... 60 s
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, {"workers": 0, "http_retries": 0})
+        check_at_least("data", self, {"workers": 0, "http_retries": 0, "shuffle_buffer": 1})
         if not 0 < self.noise_density < 1:  # also NaN; span_corruption's length search needs it
             raise ConfigError(f"data.noise_density ({self.noise_density}) must be > 0 and < 1: the share of each "
                               "chunk's tokens that span corruption masks (T5: 0.15)")
@@ -252,6 +273,9 @@ class CheckpointConfig:
     # (named async_save: `async` is a Python keyword, and so cannot be a dataclass field)
     async_save: bool = False  # periodic saves copy the state to host memory and write it in the background
 
+    def __post_init__(self) -> None:
+        check_at_least("checkpoint", self, {"every": 0, "keep": 1})  # keep 0 would keep the newest anyway
+
 
 @dataclass(frozen=True)
 class LogConfig:
@@ -261,7 +285,7 @@ class LogConfig:
     straggler_factor: float = 1.2  # warn when a rank's step exceeds the median's by this factor 3 log steps running
 
     def __post_init__(self) -> None:
-        check_at_least("log", self, {"every": 1})
+        check_at_least("log", self, {"every": 1, "peak_flops": 0})
         if not self.straggler_factor >= 1:  # also NaN; below 1 every rank but the fastest is a straggler
             raise ConfigError(f"log.straggler_factor ({self.straggler_factor}) must be >= 1: how many times the "
                               "median step time a rank may take before it is named a straggler")
@@ -338,7 +362,14 @@ def _explain(err: OmegaConfBaseException, schema: type) -> str:
         section, _, leaf = key.rpartition(".")
         siblings = [k.rpartition(".")[2] for k in _all_keys(schema) if k.rpartition(".")[0] == section]
         close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
-        hint = f"; did you mean '{section + '.' if section else ''}{close[0]}'?" if close else ""
+        # a key without its section, or in another one (`steps=4`, `model.steps=4`): the sections that hold it
+        elsewhere = [k for k in _all_keys(schema) if k.rpartition(".")[2] == leaf and k != key]
+        if close:
+            hint = f"; did you mean '{section + '.' if section else ''}{close[0]}'?"
+        elif elsewhere:
+            hint = f"; did you mean {' or '.join(repr(k) for k in elsewhere)}?"
+        else:
+            hint = ""
         return f"unknown config key '{key}'{hint}"
     if isinstance(err, ValidationError):
         msg = str(err).splitlines()[0]
@@ -406,17 +437,43 @@ def _check_sections(layer: dict, schema: type, prefix: str = "") -> None:
                               f"...), not the {type(value).__name__} {value!r}")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping: PyYAML keeps the last, so a section
+    named twice (`train:` ... `train:`) lost every key of the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"the key '{key}' is given twice (lines {seen[key]} and {line}); the second "
+                                    "would replace the first and all its keys: merge them into one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
     """The YAML file at `path` after the files its `base:` key names (relative to it), bases first: size
     configs share one recipe file and state only what differs."""
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.yaml"))
+        listed = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ConfigError(f"the config {path} is a folder; give a YAML file" + (f" in it ({listed})" if found else ""))
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {seen[-1]})" if seen else ""))
     if path.resolve() in seen:
         raise ConfigError(f"{path} names itself as a base through {', '.join(str(p) for p in seen)}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); is it a config file?") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -435,10 +492,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     merged = OmegaConf.structured(schema)
     layers = []
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        layers += [OmegaConf.create(layer) for layer in _with_bases(path)]
+        layers += [OmegaConf.create(layer) for layer in _with_bases(Path(path))]
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
@@ -476,14 +530,17 @@ def parse_args(schema: type[T], argv: Sequence[str] | None = None, prog: str = "
     user mistakes exit 2 with one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     exit_on_help(schema.__name__, prog or schema.__module__, argv)
-    path = None
-    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
-    if at is not None:
+    paths = []
+    while (at := next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)) is not None:
         inline = argv[at].startswith("--config=")
-        path = argv[at].partition("=")[2] if inline else (argv[at + 1] if at + 1 < len(argv) else "")
+        paths.append(argv[at].partition("=")[2] if inline else (argv[at + 1] if at + 1 < len(argv) else ""))
         del argv[at : at + (1 if inline else 2)]
-        if not path:
+        if not paths[-1]:
             _exit(prog, "--config needs a file")
+    if len(paths) > 1:
+        _exit(prog, f"--config is given {len(paths)} times ({', '.join(paths)}); give one file (a YAML file's "
+                    "`base: FILE` key builds it on another)")
+    path = paths[0] if paths else None
     stray = [a for a in argv if a.startswith("-")]
     if stray:
         _exit(prog, f"unknown option {stray[0]}; use --config FILE and section.key=value overrides (--help lists the keys)")

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pretrain.core.config import (
     PRECISIONS,
     CheckpointConfig,
-    ConfigError,
     LogConfig,
     ParallelConfig,
     ProfileConfig,
@@ -18,6 +17,7 @@ from pretrain.core.config import (
     ZeroConfig,
     check_at_least,
     check_choice,
+    check_fraction,
 )
 
 METHODS = ("generate", "rank", "both")  # evaluation methods (pretrain.transfer.evaluation)
@@ -33,8 +33,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_at_least("task", self, {"max_input_length": 2, "train_examples": 0})  # inputs: a token and EOS
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"task.dropout ({self.dropout}) must be in [0, 1)")
+        check_fraction("task", self, ("dropout",))
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class FinetuneEvalConfig:
     submission: bool = True  # write test-set predictions in the benchmark's format at the end
 
     def __post_init__(self) -> None:
-        check_at_least("eval", self, {"batch": 1})
+        check_at_least("eval", self, {"every": 0, "batch": 1, "limit": 0})
         check_choice("eval.method", self.method, METHODS)
 
 

@@ -402,7 +402,7 @@ class CheckpointManager:
     def _prune(self, newest: str) -> None:
         """Keep the newest `checkpoint.keep` complete checkpoints (`newest` always); drop incomplete leftovers."""
         complete = complete_steps(self.root)
-        keep = {tag_for(s) for s in complete[-max(self.cfg.keep, 1):]} | {newest}
+        keep = {tag_for(s) for s in complete[-self.cfg.keep:]} | {newest}
         for p in self.root.iterdir():
             step = step_of(p.name)
             if step is not None and p.name not in keep and (step in complete or step < complete[-1]):

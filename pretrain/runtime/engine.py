@@ -24,8 +24,6 @@ log = logging.getLogger(__name__)
 def num_accumulation_steps(cfg: TrainConfig, dp: int) -> int:
     """global batch = micro batch x accumulation x DP; a global batch that does not split is a user error, one line
     in pretraining and fine-tuning alike (both call this before building anything)."""
-    if cfg.micro_batch < 1:
-        raise UsageError(f"train.micro_batch ({cfg.micro_batch}) must be >= 1")
     per_pass = cfg.micro_batch * dp
     if cfg.global_batch < per_pass or cfg.global_batch % per_pass:
         lower = max(cfg.global_batch // per_pass, 1) * per_pass
