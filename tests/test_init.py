@@ -131,3 +131,22 @@ def test_init_folders_of_another_function_or_vocabulary_are_refused(tmp_path, to
     with pytest.raises(UsageError, match="spiece.model is not data.tokenizer"):
         check_init_folder(folder, MODEL, Path(tokenizer_model), resize_vocab=False)
     check_init_folder(folder, MODEL, Path(tokenizer_model), resize_vocab=True)  # knowingly another vocabulary
+
+
+def test_a_folder_of_another_width_is_refused_naming_the_first_tensor_and_both_shapes(tmp_path):
+    # before: 10 tensors loaded (norms, biases), 36 fresh: every real weight started fresh, exit 0
+    from pretrain.core.config import UsageError
+    from pretrain.model.pretrained import load_weights
+
+    folder = _hf_folder(tmp_path / "hf")  # width 64
+    wider = dataclasses.replace(MODEL, d_model=128, encoder_attention="vanilla", decoder_attention="vanilla")
+    with pytest.raises(UsageError) as e:
+        load_weights(build_local_model(wider), folder, resize_vocab=True)  # the resize allows rows, not widths
+    assert str(e.value) == (f"init={folder} holds shared.weight of shape [1100, 64], the model's embed.weight is "
+                            "[*, 128] (any number of rows): set the model.* keys to the folder's config.json (the "
+                            "first tensor of another shape; none is loaded)")
+    heads = dataclasses.replace(MODEL, num_heads=2, encoder_attention="vanilla", decoder_attention="vanilla")
+    with pytest.raises(UsageError, match=r"holds encoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias"
+                                         r"\.weight of shape \[4, 8\], the model's encoder\.relative_bias\.weight is "
+                                         r"\[2, 8\]: set"):
+        load_weights(build_local_model(heads), folder)

@@ -5,8 +5,9 @@ named by `model.safetensors.index.json`). Pretraining's `init=` and fine-tuning'
 Each of our parameters is made from its HF tensors (`hf_convert.hf_sources`; a Synthesizer parameter sits under
 the HF self-attention module, as the export writes it), read with `safetensors.safe_open` in fp32, cut to this
 rank's TP slice and copied into the parameter: the host holds one full parameter at a time, never the model
-(peak host memory in docs/transfer.md). A parameter the folder lacks, or holds in another shape, keeps the
-model's own initialisation (drawn from the run's seed) and is reported as fresh.
+(peak host memory in docs/transfer.md). A parameter the folder lacks keeps the model's own initialisation (drawn
+from the run's seed) and is reported as fresh; one it holds in another shape is refused (a vocabulary's rows apart,
+`init_resize_vocab`).
 """
 from __future__ import annotations
 
@@ -146,15 +147,20 @@ def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _fits(weights: WeightFolder, names: tuple[str, ...], combine, expected: tuple[int, ...], vocab: bool) -> bool:
-    """Whether the folder's tensors exist and combine to the expected shape, judged on `meta` (nothing is read)."""
-    if not all(n in weights.where for n in names):
-        return False
+def _check_shape(weights: WeightFolder, name: str, names: tuple[str, ...], combine, expected: tuple[int, ...],
+                 vocab: bool) -> None:
+    """The folder's tensors for parameter `name` must combine to its shape (judged on `meta`, nothing is read); a
+    vocabulary parameter may have any number of rows (compared apart). A tensor of another shape is a model of
+    another size: loading the rest would start every weight that matters fresh while the run looks continued."""
     try:
         shape = tuple(combine([torch.empty(weights.shapes[n], device="meta") for n in names]).shape)
-    except RuntimeError:  # a view the shapes do not allow: another layout
-        return False
-    return shape[1:] == expected[1:] if vocab else shape == expected
+    except RuntimeError:  # a view the shapes do not allow
+        shape = weights.shapes[names[0]]
+    if (shape[1:] != expected[1:]) if vocab else (shape != expected):
+        wanted = f"[*, {', '.join(map(str, expected[1:]))}] (any number of rows)" if vocab else str(list(expected))
+        raise UsageError(f"init={weights.folder} holds {names[0]} of shape {list(shape)}, the model's {name} is "
+                         f"{wanted}: set the model.* keys to the folder's {CONFIG} (the first tensor of another "
+                         "shape; none is loaded)")
 
 
 def _plan(model: T5Model, weights: WeightFolder, resize_vocab: bool) -> tuple[dict[str, Source], LoadReport]:
@@ -163,9 +169,10 @@ def _plan(model: T5Model, weights: WeightFolder, resize_vocab: bool) -> tuple[di
     for name, param in model.named_parameters():
         names, combine = _source(name, vanilla)
         vocab = name in VOCAB_PARAMETERS
-        if not _fits(weights, names, combine, _full_shape(param, model.tp), vocab):
+        if not all(n in weights.where for n in names):
             fresh.append(name)
             continue
+        _check_shape(weights, name, names, combine, _full_shape(param, model.tp), vocab)
         if vocab:
             rows[name] = weights.shapes[names[0]][0]
             if rows[name] != model.config.vocab_size and not resize_vocab:
