@@ -47,7 +47,7 @@ class Finetuning(Job):
 
     def __init__(self, cfg: FinetuneConfig, model_cfg: ModelConfig, task: Task, examples: list[Example],
                  tokenizer: Tokenizer) -> None:
-        super().__init__(cfg, model_cfg, RunInputs.of(cfg.data.tokenizer))
+        super().__init__(cfg, model_cfg, RunInputs.of(cfg.data.tokenizer, task_file=Path(cfg.data.dir) / task.train))
         self.task, self.examples, self.tokenizer = task, examples, tokenizer
         self.weights = "" if cfg.from_scratch else cfg.init  # a resume restores its own master weights
         self.max_input_length = input_limit(model_cfg, cfg.task.max_input_length)

@@ -171,6 +171,22 @@ def test_another_tokenizer_or_shard_list_is_refused_naming_the_change(tmp_path, 
         RunInputs.of(other, [str(s) for s in shards]).check_resume(path)
 
 
+def test_a_fine_tuning_task_file_of_other_content_is_refused_a_moved_one_is_not(tmp_path, tokenizer_model):
+    # before: a fine-tuning run.dir resumed with another data.dir continued on the other examples without a word
+    train = tmp_path / "SST-2" / "train.tsv"
+    train.parent.mkdir()
+    train.write_text("sentence\tlabel\na triumph\t1\n")
+    path = _checkpoint(tmp_path / "checkpoints", 8, complete=False)
+    (path / "inputs.json").write_text(json.dumps(RunInputs.of(tokenizer_model, task_file=train).record()))
+    moved = shutil.copytree(train.parent, tmp_path / "moved" / "SST-2") / "train.tsv"
+    RunInputs.of(tokenizer_model, task_file=moved).check_resume(path)  # the same file elsewhere is the same data
+    moved.write_text("sentence\tlabel\na triumph\t0\n")  # the same size, another label
+    with pytest.raises(UsageError, match=rf"^cannot resume from {path}: data.dir changed \(the task's training file "
+                                         rf"{moved} has 27 bytes, sha256 \w{{12}}\.\.\., the run's {train} had 27 bytes, "
+                                         r"sha256 \w{12}\.\.\.\); the saved data position would apply to other examples"):
+        RunInputs.of(tokenizer_model, task_file=moved).check_resume(path)
+
+
 def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (4, 8, 12):

@@ -4,6 +4,8 @@ set) scoring above chance, with results.json, the Markdown table, TensorBoard an
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,11 +153,11 @@ def _finetune(rank, world, overrides):
 def _finetune_chain(rank, world, runs):
     """In one process, fine-tune every (overrides, fault) in turn. Faults: ("sigterm", n) sends SIGTERM to this
     process after the run's n-th step; "sigterm_eval" / "sigkill_eval" send SIGTERM / SIGKILL to it as the run's
-    first evaluation starts (before its first batch). Returns the exit codes and, per run, how many evaluations
-    (validation or test files) ran to their end after such a signal."""
+    first evaluation starts (before its first batch). Returns the exit codes (a usage error's line in its place)
+    and, per run, how many evaluations (validation or test files) ran to their end after such a signal."""
     import signal
 
-    from pretrain.core.config import load_config
+    from pretrain.core.config import UsageError, load_config
     from pretrain.core.finetune_config import FinetuneConfig
     from pretrain.finetune import finetune
     from pretrain.runtime import loop
@@ -184,6 +186,8 @@ def _finetune_chain(rank, world, runs):
         loop.train_step, evaluation.predict = train_step, signalled_predict
         try:
             codes.append(finetune(load_config(FinetuneConfig, "configs/finetune/polarity.yaml", overrides)))
+        except UsageError as e:
+            codes.append(str(e))
         finally:
             loop.train_step, evaluation.predict = original, predict
         finished.append(ended[0])
@@ -208,9 +212,19 @@ def test_preempted_or_killed_finetuning_resumes_to_the_same_results(tmp_path, to
     with pytest.raises(RuntimeError, match="died with exit code -9"):
         run_distributed(_finetune_chain, 1, [(stopped, "sigkill_eval")])
     assert not (tmp_path / "stopped" / "submission").exists()
-    # the evaluation stops before a batch (it never returned) and exits 75; the next start writes the results
-    assert run_distributed(_finetune_chain, 1, [(stopped, "sigterm_eval"), (stopped, None)]) == \
-        [([EXIT_PREEMPTED, 0], [0, 0])]
+    # the evaluation stops before a batch (it never returned) and exits 75; the next start writes the results; a
+    # start with another data.dir (one training sentence less) is refused (before: it continued on the other data)
+    other = shutil.copytree(polarity_dir, tmp_path / "other" / "SST-2")
+    (other / "train.tsv").write_text("".join((polarity_dir / "train.tsv").read_text().splitlines(True)[:-1]))
+    codes = run_distributed(_finetune_chain, 1, [(stopped, "sigterm_eval"), (stopped, None),
+                                                 ([*stopped, f"data.dir={other}"], None)])
+    assert codes[0][0][:2] == [EXIT_PREEMPTED, 0] and codes[0][1] == [0, 0, 0]
+    q = lambda path: re.escape(str(path))
+    assert re.fullmatch(rf"cannot resume from {q(tmp_path / 'stopped' / 'checkpoints' / 'step_6')}: data.dir changed "
+                        rf"\(the task's training file {q(other / 'train.tsv')} has \d+ bytes, sha256 \w{{12}}\.\.\., "
+                        rf"the run's {q(polarity_dir / 'train.tsv')} had \d+ bytes, sha256 \w{{12}}\.\.\.\); the saved "
+                        r"data position would apply to other examples: restore data.dir or start a new run.dir",
+                        codes[0][0][2])
     checkpoints = tmp_path / "stopped" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_6"]  # keep 1
     results = [json.loads((tmp_path / run / "results.json").read_text()) for run in ("whole", "stopped")]

@@ -115,20 +115,24 @@ def sha256_of(file: Path) -> str:
 class RunInputs:
     """What a run reads besides its config, recorded in every checkpoint (`inputs.json`): the tokenizer's sha256
     and the train shards in the order the stream reads them, by name and size (a moved shard folder is the same
-    data; a URL's size is unknown, so its name alone). Fine-tuning records the tokenizer only; so does a mixture
-    (data.sources), whose shard lists its data state records and checks (pretrain.data.loader)."""
+    data; a URL's size is unknown, so its name alone). Fine-tuning records the tokenizer and its task's training
+    file (path, size, sha256: its data position indexes that file's examples); a mixture (data.sources) the
+    tokenizer only, its data state records and checks the shard lists (pretrain.data.loader)."""
 
     tokenizer: Path
     tokenizer_sha256: str
     shards: tuple[tuple[str, int | None], ...]
+    task_file: tuple[str, int, str] | None = None  # fine-tuning's training file: (path, size, sha256)
 
     @classmethod
-    def of(cls, tokenizer: str | Path, shards: Sequence[str] = ()) -> RunInputs:
+    def of(cls, tokenizer: str | Path, shards: Sequence[str] = (), task_file: Path | None = None) -> RunInputs:
         """`shards` as `pretrain.data.shards.expand_shards` resolves `data.train`."""
-        return cls(Path(tokenizer), sha256_of(Path(tokenizer)), describe_shards(shards))
+        task = (str(task_file), task_file.stat().st_size, sha256_of(task_file)) if task_file else None
+        return cls(Path(tokenizer), sha256_of(Path(tokenizer)), describe_shards(shards), task)
 
     def record(self) -> dict:
-        return {"tokenizer_sha256": self.tokenizer_sha256, "train_shards": [list(s) for s in self.shards]}
+        task = {"task_file": list(self.task_file)} if self.task_file else {}
+        return {"tokenizer_sha256": self.tokenizer_sha256, "train_shards": [list(s) for s in self.shards], **task}
 
     def check_resume(self, path: Path) -> None:
         """Refuse a resume from `path` with another tokenizer or other train shards, in one line naming the change."""
@@ -145,6 +149,18 @@ class RunInputs:
         if then and now and then != now:  # a mixture's (data.sources) are its loader's to check
             raise UsageError(f"cannot resume from {path}: data.train changed ({shard_change(then, now)}); the saved "
                              "data position would apply to other text: restore data.train or start a new run.dir")
+        if self.task_file:
+            self._check_task_file(path, saved.get("task_file"))
+
+    def _check_task_file(self, path: Path, saved: list | None) -> None:
+        """The same training file by content (a moved data.dir is the same data)."""
+        if saved is None:
+            log.warning("%s records no task training file (written before it was recorded): not checked", path)
+        elif tuple(saved[1:]) != self.task_file[1:]:
+            raise UsageError(f"cannot resume from {path}: data.dir changed (the task's training file {self.task_file[0]} "
+                             f"has {self.task_file[1]} bytes, sha256 {self.task_file[2][:12]}..., the run's {saved[0]} "
+                             f"had {saved[1]} bytes, sha256 {saved[2][:12]}...); the saved data position would apply "
+                             "to other examples: restore data.dir or start a new run.dir")
 
 
 # ----------------------------------------------------------------------------------------------------------------
