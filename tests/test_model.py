@@ -4,6 +4,7 @@ activation recompute with dropout, universal-checkpoint patterns."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -282,3 +283,21 @@ def test_the_remote_code_draws_synthesizers_as_ours():
             other = hf[self_attention_hf_name(name)]
             std, expected = float(other.detach().std()), float(p.detach().std())
             assert other.shape == p.shape and std == pytest.approx(expected, rel=0.05, abs=1e-9), (init, name)
+
+
+def test_the_untied_lm_head_starts_as_mesh_tf_and_the_first_loss_near_ln_vocab():
+    # Mesh TF / T5X draw the untied lm_head with std d_model^-0.5 (HF's T5 draws 1.0: logits of variance d_model and
+    # a first loss of 20+ nats at configs/tiny.yaml); the padding rows stay zero
+    from pretrain.core.config import Config, load_config
+
+    cfg = load_config(Config, "configs/tiny.yaml").model
+    torch.manual_seed(0)
+    model = build_local_model(cfg).eval()
+    head = model.lm_head.weight.detach()
+    assert float(head[: cfg.vocab_size].std()) == pytest.approx(cfg.d_model**-0.5, rel=0.02)
+    assert not head[cfg.vocab_size :].any()
+    assert float(model.embed.weight.detach()[: cfg.vocab_size].std()) == pytest.approx(1.0, rel=0.02)  # the input: 1.0
+    ids, targets = torch.randint(2, cfg.vocab_size, (8, 64)), torch.randint(2, cfg.vocab_size, (8, 14))  # [b, n], [b, m]
+    with torch.no_grad():
+        loss = float(model(ids, None, targets, labels=targets).loss)
+    assert abs(loss - math.log(cfg.vocab_size)) < 1.0, (loss, math.log(cfg.vocab_size))

@@ -208,24 +208,30 @@ class T5Model(nn.Module):
         # and only the real rows draw from the RNG, so every TP starts from the same function
         rows = padded_vocab_size(cfg.vocab_size, self.tp)
 
-        def init_vocab(w: torch.Tensor) -> None:  # w: the full [rows, d] master weight
-            nn.init.normal_(w[: cfg.vocab_size], 0.0, f)
-            w[cfg.vocab_size :].zero_()
+        def init_vocab(std: float):
+            def init(w: torch.Tensor) -> None:  # w: the full [rows, d] master weight
+                nn.init.normal_(w[: cfg.vocab_size], 0.0, std)
+                w[cfg.vocab_size :].zero_()
+            return init
 
         # each part draws from its own generator seeded by its name (pretrain/model/init.py): a parameter's
         # initial value does not depend on which other modules (mixers) the model has
         with model_init():
             with init_scope("embed"):
-                self.embed = VocabParallelEmbedding(rows, cfg.d_model, config=mp_config, init_method=init_vocab)
+                self.embed = VocabParallelEmbedding(rows, cfg.d_model, config=mp_config, init_method=init_vocab(f))
             with init_scope("encoder"):
                 self.encoder = Stack(cfg, cfg.num_layers, self.mixers["encoder"], False, mp_config, tp_group,
                                      activation_checkpointing, sdpa)
             with init_scope("decoder"):
                 self.decoder = Stack(cfg, cfg.num_decoder_layers, self.mixers["decoder"], True, mp_config, tp_group,
                                      activation_checkpointing, sdpa)
+            # the untied lm_head as Mesh TF and T5X draw it, std d_model^-0.5: logits of variance about 1 on the
+            # final norm's unit-RMS output, a first loss near ln(vocab). HF's T5 draws std 1.0 (logit variance
+            # d_model: a first loss of 20-110 nats; HF PR #26441); loaded weights (init=, exports) are unaffected
             with init_scope("lm_head"):
                 self.lm_head = ColumnLinear(
-                    cfg.d_model, rows, config=mp_config, bias=False, gather_output=False, init_method=init_vocab,
+                    cfg.d_model, rows, config=mp_config, bias=False, gather_output=False,
+                    init_method=init_vocab(f * cfg.d_model**-0.5),
                 )
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
