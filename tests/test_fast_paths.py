@@ -320,16 +320,7 @@ def test_cpu_train_step_skips_measured_waste():
     halves, `tanh`, RMSNorm's decomposition (`pow`) and `max`'s unneeded indices in the loss; nor the loss's
     chain of full-size passes (`exp_`, `div_` over [b, m, vocab]) and self-attention's Q/K/V copies and the
     `stack` of their gradients; nor cross-attention's `stack` of the K and V gradients and SDPA's slow CPU backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from tests.test_fused_attention import Ops
 
     model = _model("vanilla")
     ids, _, dec, labels, _ = _batch(padded=False)

@@ -28,7 +28,7 @@ CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
 # (encoder, decoder, mixture_per_head, activation_checkpointing, position_bias): every mixer appears on both sides;
 # true = full; every position_bias with a mixture of vanilla (where "vanilla" weighs the bias with Q K^T) and a
-# stack without vanilla, and "none" with recompute (a core without bias or mask)
+# stack without vanilla, and "none" with recompute (a core without bias or mask), and with the fused forms
 VARIANTS = [
     ("vanilla", "vanilla", False, False, "all"),
     ("dense", "random", False, True, "all"),
@@ -41,6 +41,9 @@ VARIANTS = [
     ("random+vanilla", "dense", True, "selective", "vanilla"),
     ("random", "vanilla", False, "selective", "none"),
     ("vanilla", "random+vanilla", False, False, "none"),
+    # fused forms (attention.py `_fused`) on the CPU's flash kernel: a per-head mixture of all three Q' K'^T mixers
+    # with a padding mask, and dense with is_causal under selective recompute; greedy decoding through the cache
+    ("factorized_random+dense+vanilla", "dense", True, "selective", "none"),
 ]
 
 

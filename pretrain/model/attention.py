@@ -8,22 +8,27 @@ projection (all-reduce over TP). `model.position_bias` moves the bias (`bias_pla
 dot-product logits alone, before mixing, or nowhere. Heads are split over TP: Q/K/V columns, synthesizer
 parameters, bias rows and per-head mixture weights live only on their rank.
 
-Two implementations of that core, equal within float rounding. SDPA: a layer with a `vanilla` mixer calls
-`F.scaled_dot_product_attention` with everything that is not Q K^T (relative bias, masks, weighted
-synthesized logits) as a float `attn_mask` that gets a gradient, and the mixture weight of `vanilla` folded
-into Q; on CUDA that runs the memory-efficient kernel (probabilities never stored, the bias differentiated).
-Materialised: the logits and an fp32 softmax are built explicitly, which also allows the batch-shared
-softmax of input-independent mixers; always so for layers without `vanilla`. `sdpa=None` (default) takes
-SDPA on CUDA and wherever the mask needs no gradient, and materialised logits for CPU training, where SDPA
-with a differentiable mask falls back to a slower math path; True / False force one (tests, benchmarks).
+Two implementations of that core, equal within float rounding. Fused (`_fused`): the mixers whose logits are a
+product Q' K'^T (vanilla's Q K^T; dense: Q' = [relu(X W1 + b1), 1], K' = [W2[:m], b2[:m]]; factorized_random: R1, R2)
+are one dot product over their pieces concatenated along the head dimension, each mixture weight folded into its Q
+piece, in one `F.scaled_dot_product_attention` call (scale 1, T5 has no 1/sqrt(d_kv)); everything else (T5's bias,
+masks, the full-rank logits of random / fixed_random / factorized_dense in a mixture) is its float `attn_mask`, summed
+in fp32, and a decoder's causal mask alone goes in as `is_causal`. The kernel is named explicitly
+(pretrain/model/sdpa.py), from what the layer is, so a no-grad forward and its recompute run the same one.
+Materialised (`_mixed`): the logits and an fp32 softmax are built explicitly, which also allows the batch-shared
+softmax of input-independent mixers; always so for layers without a Q' K'^T mixer (random, fixed_random,
+factorized_dense and their mixtures). `sdpa=None` (default) takes the fused form on CUDA and wherever its mask needs
+no gradient (on the CPU: `position_bias: none`, or evaluation), and materialised logits for CPU training with a
+trained mask, where SDPA falls back to a slower math path; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
-storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer without
-attention dropout runs the materialised core as one autograd function that reads Q, K, V in the fused
-projection's layout and writes their gradients back into it (pretrain/model/cpu_autograd.py).
+storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer with a trained
+bias and without attention dropout runs the materialised core as one autograd function that reads Q, K, V in the
+fused projection's layout and writes their gradients back into it (pretrain/model/cpu_autograd.py).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -42,6 +47,7 @@ from pretrain.model.cpu_autograd import (
 from pretrain.model.init import init_scope
 from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
+from pretrain.model.sdpa import attend, sdpa_backend
 
 
 def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
@@ -56,6 +62,20 @@ def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
 def add_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     """a + b where None means nothing to add (no bias, no mask)."""
     return b if a is None else a if b is None else a + b
+
+
+def sum_wide(terms: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
+    """The sum of additive logit terms (bias, masks, weighted synthesized logits; None: nothing) in at least fp32,
+    cast to `dtype` once: in bf16 each partial sum would round again (256 + 0.75 + 0.75 is 256 in bf16, 258 once
+    rounded from fp32's 257.5)."""
+    terms = [t for t in terms if t is not None]
+    if not terms:
+        return None
+    wide = torch.promote_types(dtype, torch.float32)
+    total = terms[0].to(wide)
+    for t in terms[1:]:
+        total = total + t.to(wide)
+    return total.to(dtype)
 
 
 def _normal(std: float):
@@ -140,7 +160,6 @@ class SelfAttention(nn.Module):
         assert tp_group is not None or tp == 1, "a TP-sharded SelfAttention needs its tp_group"
         self.tp, self.tp_group = tp, tp_group
         self.mixers = mixers
-        self.sdpa = sdpa if "vanilla" in mixers else False  # None: by device, see the module docstring
         self.recompute = recompute  # selective activation recompute of the core (logits, softmax, @ V)
         self.d_kv = cfg.d_kv
         self.heads = cfg.num_heads // tp
@@ -165,6 +184,10 @@ class SelfAttention(nn.Module):
             if name != "vanilla":
                 with init_scope(f"synth.{name}"):
                     self.synth[name] = MIXERS[name].build(cfg, mp_config, tp_rank, tp)
+        # the mixers whose logits are a product Q' K'^T (vanilla's Q K^T, `factors` of the synthesizers): with any
+        # of them the layer has a fused form; the others' logits go into its attn_mask
+        self.dot = tuple(name for name in mixers if name == "vanilla" or hasattr(self.synth[name], "factors"))
+        self.sdpa = sdpa if self.dot else False  # None: by device and mask, see the module docstring
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
@@ -182,10 +205,12 @@ class SelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None, cache: dict | None = None,
-        vanilla_bias: torch.Tensor | None = None,
+        vanilla_bias: torch.Tensor | None = None, causal: bool = False,
     ) -> torch.Tensor:
         """x [b, n, d]; bias [1, heads/tp, n, m] (added after mixing) or None; mask additive [b, 1, n|1, m] or None;
-        cache: decoding; vanilla_bias [1, heads/tp, n, m]: added to Q K^T before mixing (position_bias: vanilla)."""
+        cache: decoding; vanilla_bias [1, heads/tp, n, m]: added to Q K^T before mixing (position_bias: vanilla);
+        causal: bias + mask is exactly the causal mask of n = m positions (a decoder stack without padding, cache or
+        relative bias after mixing), which the fused form passes to the kernel as is_causal instead."""
         b, n, _ = x.shape
         start = cache.get("len", 0) if cache is not None else 0
         if self.synth and start + n > self.max_length:
@@ -195,8 +220,8 @@ class SelfAttention(nn.Module):
             )
         additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
         p = self.dropout if self.training else 0.0
-        grad = any(t is not None and t.requires_grad for t in (additive, vanilla_bias))
-        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not grad
+        mask_grad = self._mask_grad(additive, vanilla_bias)
+        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not mask_grad
         if (self.mixers == ("vanilla",) and not sdpa and cache is None and p == 0 and vanilla_bias is None
                 and not (self.recompute and self.training) and use_cpu_autograd(x)):
             # eager CPU training: Q, K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
@@ -213,7 +238,7 @@ class SelfAttention(nn.Module):
             v = cache["v"] = torch.cat([cache["v"], v], dim=2) if "v" in cache else v
             cache["len"] = start + n
         m = v.shape[2]
-        core = self._fused if sdpa else self._mixed
+        core = functools.partial(self._fused, mask_grad=mask_grad, causal=causal) if sdpa else self._mixed
 
         def run(x, q, k, v, additive, vanilla_bias):
             with _fork_tp_rng(p > 0):
@@ -227,20 +252,42 @@ class SelfAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, n, -1)  # [b, n, heads/tp * d_kv]
         return self.o(out)  # fwd: all-reduce over TP
 
-    def _fused(self, x, q, k, v, additive, vanilla_bias, start: int, m: int, p: float) -> torch.Tensor:
-        # softmax(a_v (Q K^T + B_v) + sum_i a_i S_i + additive) V
-        #   = SDPA(a_v Q, K, V, attn_mask = a_v B_v + sum_i a_i S_i + additive)
+    def _mask_grad(self, additive: torch.Tensor | None, vanilla_bias: torch.Tensor | None) -> bool:
+        """Whether the fused form's attn_mask is trained, read from what the layer is and not from grad mode, so that
+        megatron's no-grad forward and its recompute take the same kernel (pretrain/model/sdpa.py)."""
+        if not (self.training or torch.is_grad_enabled()):
+            return False  # inference
+        if any(t is not None and t.requires_grad for t in (additive, vanilla_bias)):
+            return True  # the relative bias (made outside the layer: its flag is the same in both passes)
+        masked = [name for name in self.mixers if name not in self.dot]  # with self.dot: a mixture, weighted by mix
+        return bool(masked and self.dot) and (self.mix.requires_grad or any(
+            p.requires_grad for name in masked for p in self.synth[name].parameters()))
+
+    def _fused(self, x, q, k, v, additive, vanilla_bias, start: int, m: int, p: float, mask_grad: bool = False,
+               causal: bool = False) -> torch.Tensor:
+        # softmax(sum_i a_i Q_i K_i^T + a_v B_v + sum_j a_j S_j + additive) V = SDPA(Q', K', V, mask, scale 1) with
+        # Q' = [a_i Q_i ...] and K' = [K_i ...] concatenated along the head dimension over the mixers with a
+        # Q' K'^T form (weights folded into the Q side), and the mask the rest: full-rank synthesized logits S_j,
+        # T5's bias, padding and causal masks, summed in fp32 (sum_wide)
         alpha = self._alpha() if len(self.mixers) > 1 else None
+        qs, ks, terms = [], [], [additive]
         for i, name in enumerate(self.mixers):
             weight = None if alpha is None else alpha[i] if alpha.dim() == 1 else alpha[:, i, None, None]
-            if name == "vanilla":
-                q = q if weight is None else q * weight.to(q.dtype)
-                if vanilla_bias is not None:
-                    additive = add_optional(additive, vanilla_bias if weight is None else weight * vanilla_bias)
-            else:  # a layer with vanilla and a synthesizer is a mixture: weight is set
-                additive = add_optional(additive, weight * self.synth[name](x, start, m))  # [b|1, heads/tp, n, m]
-        mask = None if additive is None else additive.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+            if name in self.dot:
+                qi, ki = (q, k) if name == "vanilla" else self.synth[name].factors(x, start, m)
+                qs.append(qi if weight is None else qi * weight.to(qi.dtype))
+                ks.append(ki)
+                if name == "vanilla" and vanilla_bias is not None:
+                    terms.append(vanilla_bias if weight is None else weight * vanilla_bias)
+            else:  # a layer with a Q' K'^T mixer and another is a mixture: weight is set
+                terms.append(weight * self.synth[name](x, start, m))  # [b|1, heads/tp, n, m]
+        b = v.shape[0]
+        q, k = (pieces[0].expand(b, *pieces[0].shape[1:]) if len(pieces) == 1 else
+                torch.cat([t.expand(b, *t.shape[1:]) for t in pieces], dim=-1) for pieces in (qs, ks))
+        is_causal = causal and len(terms) == 1  # nothing but the causal mask: the kernel applies it
+        mask = None if is_causal else sum_wide(terms, v.dtype)
+        backend = sdpa_backend(v.device, v.dtype, mask is not None, mask_grad, p, max(q.shape[-1], v.shape[-1]))
+        return attend(q, k, v, mask, is_causal, p, backend)
 
     def _mixed(self, x, q, k, v, additive, vanilla_bias, start: int, m: int, p: float) -> torch.Tensor:
         alpha = self._alpha() if len(self.mixers) > 1 else None

@@ -8,6 +8,7 @@ LM head are vocab-parallel; the loss is vocab-parallel cross-entropy, so logits 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,10 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, h, bias, mask, memory=None, memory_mask=None, cache: dict | None = None,
-                vanilla_bias=None) -> torch.Tensor:
+                vanilla_bias=None, causal: bool = False) -> torch.Tensor:
         # residual-stream dropout is replicated over TP: the default stream, identical on every TP rank
         p = self.dropout if self.training else 0.0
-        h = h + F.dropout(self.attn(self.attn_norm(h), bias, mask, cache, vanilla_bias), p)
+        h = h + F.dropout(self.attn(self.attn_norm(h), bias, mask, cache, vanilla_bias, causal), p)
         if memory is not None:
             if cache is None:
                 memory_kv = self.cross.project_memory(memory)
@@ -138,7 +139,9 @@ class Stack(nn.Module):
         self.dropout = cfg.dropout
         self.activation_checkpointing = activation_checkpointing == "full"  # whole layers
 
-    def forward(self, h, mask, memory=None, memory_mask=None, caches: list[dict] | None = None) -> torch.Tensor:
+    def forward(self, h, mask, memory=None, memory_mask=None, caches: list[dict] | None = None,
+                causal: bool = False) -> torch.Tensor:
+        """causal: `mask` is the causal mask alone (no padding, no cache)."""
         start = caches[0].get("len", 0) if caches else 0
         n = h.shape[1]
         bias = None if self.relative_bias is None else self.relative_bias(n, start + n, start)  # [1, h/tp, n, start+n]
@@ -147,15 +150,16 @@ class Stack(nn.Module):
         # [b, heads/tp, n, m] and one gradient sum into the bias instead of one per layer; without a mask
         # (unpadded encoder batches) it stays [1, heads/tp, n, m] and input-independent mixers use that
         additive = add_optional(None if vanilla_bias is not None else bias, mask)  # [b|1, heads/tp, n, start + n]
+        causal = causal and (bias is None or vanilla_bias is not None)  # additive is that causal mask alone
         p = self.dropout if self.training else 0.0
         h = F.dropout(h, p)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training:
                 # megatron's recompute restores the default and the TP-region RNG streams: same dropout masks
-                h = tensor_parallel.checkpoint(layer, False, h, additive, None, memory, memory_mask, None,
-                                               vanilla_bias)
+                h = tensor_parallel.checkpoint(functools.partial(layer, causal=causal), False, h, additive, None, memory,
+                                               memory_mask, None, vanilla_bias)
             else:
-                h = layer(h, additive, None, memory, memory_mask, caches[i] if caches else None, vanilla_bias)
+                h = layer(h, additive, None, memory, memory_mask, caches[i] if caches else None, vanilla_bias, causal)
         return F.dropout(self.final_norm(h), p)
 
 

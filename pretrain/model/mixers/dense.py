@@ -55,6 +55,14 @@ class Dense(nn.Module):
         logits = torch.einsum("bnhd,hmd->bhnm", hid, self.w2[:, :m])
         return logits + self.b2[None, :, None, :m]  # [b, heads/tp, n, m]
 
+    def factors(self, x: torch.Tensor, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q' [b, heads/tp, n, d_kv + 1], K' [1, heads/tp, m, d_kv + 1]) with Q' K'^T = forward's logits:
+        Q' = [relu(W1 x + b1), 1], K' = [W2[:m], b2[:m]], K' shared by the batch (the fused kernels' form)."""
+        hid = self.hidden(x).transpose(1, 2)  # [b, heads/tp, n, d_kv]
+        q = torch.cat([hid, hid.new_ones(*hid.shape[:-1], 1)], dim=-1)
+        k = torch.cat([self.w2[:, :m], self.b2[:, :m, None]], dim=-1)[None]
+        return q, k
+
 
 def _flops(cfg: ModelConfig, n: int) -> int:
     inner = cfg.num_heads * cfg.d_kv

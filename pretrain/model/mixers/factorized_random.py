@@ -30,6 +30,10 @@ class FactorizedRandom(nn.Module):
         n = x.shape[1]
         return (self.r1[:, start : start + n] @ self.r2[:, :m].transpose(1, 2))[None]  # [1, heads/tp, n, m]
 
+    def factors(self, x: torch.Tensor, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q' = R1[rows] [1, heads/tp, n, k], K' = R2[:m] [1, heads/tp, m, k]): Q' K'^T = forward's logits."""
+        return self.r1[None, :, start : start + x.shape[1]], self.r2[None, :, :m]
+
 
 FACTORIZED_RANDOM = Mixer(
     "factorized_random", "Factorized Random Synthesizer: R1 R2^T per head, R1, R2 in R^{N x k}",

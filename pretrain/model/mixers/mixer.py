@@ -21,7 +21,9 @@ class Mixer:
     flops: Callable[[ModelConfig, int], int]
     # (cfg, mp_config, tp_rank, tp) -> a module whose forward(x [b, n, d], start, m) gives this rank's heads' logits
     # [b|1, heads/tp, n, m] for query positions [start, start + n) and the first m keys; None for vanilla, whose
-    # Q K^T is SelfAttention's own (fused QKV, SDPA)
+    # Q K^T is SelfAttention's own (fused QKV, SDPA). A module whose logits are a product Q' K'^T of small factors
+    # also has factors(x, start, m) -> (Q' [b|1, heads/tp, n, r], K' [1|b, heads/tp, m, r]): the layer then runs it
+    # through the fused attention kernels (pretrain/model/attention.py) instead of materialising its logits
     build: Callable[[ModelConfig, object, int, int], nn.Module] | None = None
     # its input-independent logit matrix [heads, N, N] from its parameters by name ({"r": R}, our state dict or an
     # export's): the picture TensorBoard shows and the study's weight movement measures; None: nothing to picture
