@@ -145,6 +145,11 @@ def _launch(argv: Sequence[str] | None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    nproc = args.nproc_per_node  # torchrun: 0 and -1 a bare AssertionError, 2x a ValueError
+    if nproc not in ("gpu", "cpu", "auto") and not (nproc.isdigit() and int(nproc) >= 1):
+        print(f"launch.run: error: --nproc-per-node {nproc} must be a number of ranks on this node, at least 1, or "
+              "gpu, cpu or auto", file=sys.stderr)
+        return 2  # a usage mistake (pretrain.runtime.faults.EXIT_USAGE)
     os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (launch/env.py)
     args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)
     # the agent's own report of a failed rank (its exit code, pid, closing the others): the ranks said it already

@@ -50,7 +50,7 @@ class PreparedData:
     def config(self, **overrides) -> DataConfig:
         """A DataConfig over these shards, tiny.yaml's input length, plus `overrides`."""
         base = DataConfig(train=self.train, valid=self.valid, tokenizer=self.tokenizer, input_length=64,
-                          workers=1, shuffle_buffer=64)
+                          workers=1, shuffle_buffer=64, streams=8)  # a stream per shard: DP 1, 2, 4 and 8
         return dataclasses.replace(base, **overrides)
 
 

@@ -5,7 +5,9 @@ progress is logged."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 from pretrain.core.config import ModelConfig
 from pretrain.model import build_local_model, full_state_dict, generate_greedy, load_full_state_dict
 from pretrain.tasks import get_task
-from pretrain.transfer.evaluation import encode_inputs, evaluate_task, input_limit, predict
+from pretrain.transfer.evaluation import encode_inputs, evaluate_task, input_limit, predict, write_results
 from tests.distributed import run_distributed
 from tokenizer.spm import Tokenizer
 
@@ -34,7 +36,7 @@ def sst2_folder(root: Path) -> Path:
 
 def eos_happy_model(cfg: ModelConfig):
     """A random model whose EOS (id 1) logit is raised, so batches (and DP ranks) finish decoding at different
-    steps: with seed 0 (name-keyed initialisation), the batch of examples 0 and 2 decodes 3 steps, that of 1 and 3 two."""
+    steps: with seed 0 (name-keyed initialisation), examples 1 and 3 after 2 tokens, examples 0 and 2 after 3."""
     torch.manual_seed(0)
     model = build_local_model(cfg).eval()
     with torch.no_grad():
@@ -61,6 +63,28 @@ def test_evaluate_job_runs_on_the_requested_device(tmp_path, tokenizer_model):
     main(["--export", str(export), "--task", "sst2", "--data", str(folder), "--output", str(tmp_path / "out"),
           "--device", "meta", "--batch", "2"])
     assert (tmp_path / "out" / "results.json").is_file() and (tmp_path / "out" / "submission" / "SST-2.tsv").is_file()
+
+
+def test_a_limited_evaluation_says_what_it_covers_and_names_its_submission_partial(tmp_path, tokenizer_model):
+    # before: results.json held the scores of 2 examples as the task's, and submission/SST-2.tsv held 2 rows
+    from pretrain.evaluate import main
+    from pretrain.transfer.exporting import write_export
+
+    export = write_export(build_local_model(CFG), Path(tokenizer_model), tmp_path / "export")
+    main(["--export", str(export), "--task", "sst2", "--data", str(sst2_folder(tmp_path / "glue")), "--output",
+          str(tmp_path / "out"), "--device", "meta", "--batch", "2", "--limit", "2"])
+    scores = json.loads((tmp_path / "out" / "results.json").read_text())["sst2"]
+    assert (scores["examples"], scores["examples_in_file"]) == (2, 5)
+    assert sorted(p.name for p in (tmp_path / "out" / "submission").iterdir()) == ["SST-2.partial-2-of-5.tsv"]
+    assert len((tmp_path / "out" / "submission" / "SST-2.partial-2-of-5.tsv").read_text().splitlines()) == 3
+    assert "| sst2 (2 of 5 examples) |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_an_undefined_correlation_is_written_as_such(tmp_path):
+    # a constant STS-B prediction: pearson was 0.0, a score; now NaN in results.json, "undefined" in results.md
+    write_results(tmp_path, {"stsb": {"pearson": math.nan, "spearman": math.nan, "examples": 5, "examples_in_file": 5}})
+    assert math.isnan(json.loads((tmp_path / "results.json").read_text())["stsb"]["pearson"])
+    assert "| stsb | undefined | undefined |" in (tmp_path / "results.md").read_text()
 
 
 def test_synthesized_encoder_truncates_long_inputs_once(tmp_path, tokenizer_model, caplog):

@@ -229,7 +229,9 @@ def test_preempted_or_killed_finetuning_resumes_to_the_same_results(tmp_path, to
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_6"]  # keep 1
     results = [json.loads((tmp_path / run / "results.json").read_text()) for run in ("whole", "stopped")]
     assert results[0] == results[1] and "accuracy" in results[0]["sst2"]
-    submissions = [(tmp_path / run / "submission" / "SST-2.tsv").read_text() for run in ("whole", "stopped")]
+    # eval.limit 40: the first 40 of the 500 test sentences, a submission named partial
+    submissions = [(tmp_path / run / "submission" / "SST-2.partial-40-of-500.tsv").read_text()
+                   for run in ("whole", "stopped")]
     assert submissions[0] == submissions[1]
     metrics = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
                for run in ("whole", "stopped")]

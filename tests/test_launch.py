@@ -91,6 +91,17 @@ def test_local_launcher_rejects_zero_processes() -> None:
     assert "--nproc-per-node 0 must be at least 1" in out.stderr.strip().splitlines()[-1]
 
 
+def test_launch_run_refuses_a_rank_count_below_one_in_one_line() -> None:
+    # before: torchrun's bare AssertionError traceback (0, -1), exit 1
+    jobs = {n: subprocess.Popen([sys.executable, "-m", "launch.run", "--nproc-per-node", n, "-m", "pretrain.train"],
+                                cwd=REPO, stderr=subprocess.PIPE, text=True) for n in ("0", "-1")}
+    for n, job in jobs.items():
+        _, stderr = job.communicate()
+        assert job.returncode == 2 and stderr.splitlines() == [
+            f"launch.run: error: --nproc-per-node {n} must be a number of ranks on this node, at least 1, or gpu, "
+            "cpu or auto"], stderr
+
+
 def test_free_port_is_outside_the_kernels_ephemeral_range_and_unseeded() -> None:
     # the kernel's own pick (bind to port 0) is an ephemeral port, which it may hand to another process's outgoing
     # connection before the job binds it: a study cell's rank 0 failed with EADDRINUSE beside a full suite. A pick

@@ -39,7 +39,8 @@ def test_pearson_and_spearman_by_hand():
     assert spearman([10.0, 20.0, 30.0, 40.0], [1.0, 0.5, 8.0, 7.0]) == pytest.approx(0.6)  # same ranks
     # ties: ranks of (1, 2, 2, 3) are (1, 2.5, 2.5, 4); against (1, 2, 3, 4): centred (-1.5, 0, 0, 1.5)
     assert spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
-    assert pearson([1.0, 1.0], [1.0, 2.0]) == 0.0
+    # a constant prediction: undefined (before: 0.0, a score that reads as "uncorrelated")
+    assert math.isnan(pearson([1.0, 1.0], [1.0, 2.0])) and math.isnan(spearman([3.0, 3.0, 3.0], [1.0, 2.0, 5.0]))
 
 
 def test_multirc_exact_match_by_question():

@@ -133,6 +133,9 @@ def test_multirc_one_example_per_answer_and_nested_submission(tmp_path):
         ("sst2", "train.tsv", "text\tlabel\ngood\t1\n", "train.tsv line 2: expected columns sentence, label; missing sentence"),
         ("sst2", "train.tsv", "sentence\tlabel\ngood\tpositive\n", "train.tsv line 2: label 'positive' is not one of '0', '1'"),
         ("stsb", "train.tsv", "sentence1\tsentence2\tscore\na\tb\thigh\n", "train.tsv line 2: label 'high' is not a number"),
+        # accepted before (issue 45): STS-B's scores are 0 to 5
+        ("stsb", "train.tsv", "sentence1\tsentence2\tscore\na\tb\t7.3\n", "train.tsv line 2: label '7.3' is outside the task's scores, 0 to 5"),
+        ("stsb", "dev.tsv", "sentence1\tsentence2\tscore\na\tb\t-2\n", "dev.tsv line 2: label '-2' is outside the task's scores, 0 to 5"),
         ("sst2", "train.tsv", "", "train.tsv: empty file; expected a header line"),
         ("cb", "val.jsonl", '{"premise": "p", "label": "neutral"}\n', "val.jsonl line 1: expected fields premise, hypothesis, label; missing hypothesis"),
         ("cb", "val.jsonl", '{"premise": "p",\n', "val.jsonl line 1: not a JSON object"),

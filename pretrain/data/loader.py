@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
+import math
 import os
 import signal
 from collections import deque
@@ -38,10 +40,11 @@ from tokenizer.spm import Tokenizer
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 3  # 1: positions per (DP rank, worker), before the global order; 2: one source, before mixtures
+# 1: positions per (DP rank, worker), before the global order; 2: one source, before mixtures; 3: streams over whole
+# shards, each epoch's last partial chunk dropped
+STATE_VERSION = 4
 
-
-MAX_AUTO_STREAMS = 64  # data.streams 0: min(shards of each source, 64); every power-of-two DP size up to 64 divides it
+DEFAULT_STREAMS = 64  # data.streams 0: every power-of-two DP size up to 64 divides it, whatever the shards
 
 
 def _stream_spec(cfg: DataConfig, spec: str, *, seed: int, num_streams: int, block_chunks: int,
@@ -76,19 +79,22 @@ def _expand(spec: str, label: str) -> list[str]:
         raise
 
 
+def num_streams(cfg: DataConfig) -> int:
+    """S, the run's lanes: data.streams, 0 meaning DEFAULT_STREAMS (any number of shards serves any S)."""
+    return cfg.streams or DEFAULT_STREAMS
+
+
+def dp_sizes(streams: int, limit: int = 4096) -> list[int]:
+    """The DP sizes a run of `streams` lanes may use and move between on a requeue: the divisors of S."""
+    return [d for d in range(1, min(streams, limit) + 1) if streams % d == 0]
+
+
 def build_sources(cfg: DataConfig, seed: int) -> tuple[Sources, list[dict | None]]:
     """The run's sources (data.sources, or data.train as the one source `train`) over the same S streams
-    (data.streams; 0: the fewest shards of any source, at most MAX_AUTO_STREAMS), and their index.json files."""
+    (`num_streams`), and their index.json files."""
     entries = [(s.name, s.train, s.weight) for s in cfg.sources] or [(ONE_SOURCE, cfg.train, 1.0)]
     labels = [f"data.sources {name!r}" if cfg.sources else "data.train" for name, _, _ in entries]
-    shards = [_expand(train, label) for (_, train, _), label in zip(entries, labels)]
-    num_streams = cfg.streams or min(min(map(len, shards)), MAX_AUTO_STREAMS)
-    for found, label in zip(shards, labels):
-        if num_streams > len(found):
-            fix = "split its files into more shards (docs/data.md)" if cfg.sources else "prepare more shards"
-            raise UsageError(f"data.streams ({num_streams}) exceeds the {len(found)} shards of {label}: every stream "
-                             f"needs a shard{' of every source' if cfg.sources else ''}; lower data.streams or {fix}")
-    built = [_stream_spec(cfg, train, seed=source_seed(seed, name), num_streams=num_streams,
+    built = [_stream_spec(cfg, train, seed=source_seed(seed, name), num_streams=num_streams(cfg),
                           block_chunks=max(1, cfg.shuffle_buffer), label=label)
              for (name, train, _), label in zip(entries, labels)]
     sources = Sources(names=tuple(e[0] for e in entries), weights=tuple(e[2] for e in entries),
@@ -143,11 +149,9 @@ class TrainLoader:
             raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
         num_streams = sources.num_streams
         if num_streams % dp_size:
-            auto = (f"the fewest shards of any source, at most {MAX_AUTO_STREAMS}" if sources.mixture
-                    else f"min(shards, {MAX_AUTO_STREAMS})")
-            raise UsageError(f"the DP size ({dp_size}) must divide data.streams ({num_streams}; 0 means {auto}): each "
-                             "DP rank owns whole streams; set data.streams to a multiple of every DP size the run may "
-                             "use, at its start")
+            raise UsageError(f"the DP size ({dp_size}) must divide data.streams ({num_streams}; 0 means "
+                             f"{DEFAULT_STREAMS}): each DP rank owns whole streams; set data.streams at the run's start "
+                             f"to a multiple of every DP size it may use (e.g. {math.lcm(dp_size, num_streams)})")
         self.sources, self.dp_rank, self.dp_size, self.micro_batch = sources, dp_rank, dp_size, micro_batch
         self.reweight = reweight
         self.lanes = list(range(dp_rank, num_streams, dp_size))  # the lanes (streams) this rank owns, in its order
@@ -238,7 +242,8 @@ class TrainLoader:
                          for k, p in enumerate(self.positions)])
         out = {}
         for name, n, e in zip(self.sources.names, tokens.tolist(), passes):
-            out[f"tokens_seen/{name}"], out[f"epochs/{name}"] = n, e / self.sources.num_streams
+            spec = self.sources.specs[self.sources.names.index(name)]
+            out[f"tokens_seen/{name}"], out[f"epochs/{name}"] = n, e / self.sources.num_streams * spec.replicas
         return out
 
     def _settings(self) -> dict:
@@ -263,10 +268,12 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """`state`: `{"ranks": [the state_dict of every DP rank of the saving run]}`; any DP size may load it."""
-        ranks = [_upgraded(r) for r in state["ranks"]]
+        ranks = state["ranks"]
         if any(r.get("version") != STATE_VERSION for r in ranks):
-            raise UsageError(f"the data position in the checkpoint is of another version (not {STATE_VERSION}); it "
-                             "cannot be continued exactly: start a new run.dir")
+            raise UsageError(f"the data position in the checkpoint is of data order version {ranks[0].get('version')}, "
+                             f"this code's is {STATE_VERSION} (streams over units of shards, docs/data.md): it cannot be "
+                             "continued exactly; finish the run with the code that started it, or start a new run.dir "
+                             "(init=EXPORT keeps the weights)")
         now = self._settings()
         changed = [f"{_SETTING_KEYS[k]} ({v} in the checkpoint, {now[k]} now)"
                    for k, v in ranks[0]["settings"].items() if now[k] != v]
@@ -300,17 +307,6 @@ class TrainLoader:
             assert len(positions) == self.sources.num_streams, "a partial or inconsistent data state"
             self.positions[k] = {s: dict(positions[s]) for s in self.lanes}
             self.damaged[k].load([r["damaged"].get(name, {}) for r in ranks])
-
-
-def _upgraded(state: dict) -> dict:
-    """A version-2 state (one source, before mixtures) as a version-3 one of data.train's source `train`, its shard
-    list unknown (the run's inputs, RunInputs, recorded and check it)."""
-    if state.get("version") != 2:
-        return state
-    return {**state, "version": 3, "positions": {ONE_SOURCE: state["positions"]},
-            "damaged": {ONE_SOURCE: state.get("damaged", {})},  # absent in checkpoints of before the record
-            "counts": {ONE_SOURCE: state["examples"]},
-            "sources": [{"name": ONE_SOURCE, "weight": 1.0, "shards": None}], "mixture": False}
 
 
 def build_train_loader(cfg: DataConfig, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int) -> TrainLoader:
@@ -354,13 +350,13 @@ def build_eval_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, micro_batc
         valid, label = next(s.valid for s in cfg.sources if s.name == source), f"data.sources {source!r} valid"
     spec, _ = _stream_spec(cfg, valid, seed=0, num_streams=1, block_chunks=max(1, cfg.shuffle_buffer), label=label)
     mine: list = []
-    for i, (inputs, targets, after) in enumerate(examples(spec, 0, start_position(), {})):
-        if i == num_examples:
-            break
-        if after["epoch"] > 0:
-            raise UsageError(f"{label} ({redact(valid)}) holds {i} examples, too few for {num_examples} "
-                             "(eval.batches x train.global_batch); lower eval.batches")
-        if i % dp_size == dp_rank:
+    found = 0
+    for inputs, targets, _ in itertools.islice(examples(spec, 0, start_position(), {}, cycle=False), num_examples):
+        if found % dp_size == dp_rank:
             mine.append((inputs, targets))
+        found += 1
+    if found < num_examples:
+        raise UsageError(f"{label} ({redact(valid)}) holds {found} examples, too few for {num_examples} "
+                         "(eval.batches x train.global_batch); lower eval.batches")
     return EvalLoader([collate(mine[k : k + micro_batch], spec.input_length, spec.target_length)
                        for k in range(0, len(mine), micro_batch)])

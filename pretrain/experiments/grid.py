@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.core.config import ConfigError, ModelConfig
+from pretrain.tasks.metrics import COVERAGE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -181,7 +182,9 @@ def pretrain_figures(records: list[dict]) -> dict[str, float]:
 
 
 def downstream_figures(task: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
-    """results.json {split: {metric: value}} -> {"task/metric"} (one split) or {"task/split/metric"}."""
+    """results.json {split: {metric: value}} -> {"task/metric"} (one split) or {"task/split/metric"}; the counts of
+    examples beside the metrics are left out."""
+    results = {split: {k: v for k, v in scores.items() if k not in COVERAGE} for split, scores in results.items()}
     if len(results) == 1:
         return {f"{task}/{k}": v for scores in results.values() for k, v in scores.items()}
     return {f"{task}/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}

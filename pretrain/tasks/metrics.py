@@ -1,8 +1,10 @@
 """The official GLUE/SuperGLUE metrics, written out from their definitions (numpy only, no scipy/sklearn).
 
 Predictions are class ids (-1 for a generated answer that is none of the label words: always wrong, as in T5's
-postprocessors) or floats for STS-B. Scores are fractions in [0, 1] (correlations in [-1, 1]); a correlation
-of a constant series is undefined and reported as 0.0, as scikit-learn does for Matthews correlation.
+postprocessors) or floats for STS-B. Scores are fractions in [0, 1] (correlations in [-1, 1]). Pearson's and
+Spearman's correlation of a constant series (a model that predicts one score for every pair) is undefined: NaN,
+which results.json writes as `NaN`, results.md and the evaluation's log as undefined (scipy's answer too), never a
+score of 0.0 that reads as "uncorrelated". Matthews correlation keeps scikit-learn's 0.0 for one class.
 """
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pretrain.tasks.task import Example, Task
+
+# beside each split's scores in results.json: how many examples they are of, and how many its file holds (an
+# evaluation limit scores the first ones only); counts, not metrics
+COVERAGE = ("examples", "examples_in_file")
 
 
 def accuracy(pred: Sequence, gold: Sequence) -> float:
@@ -47,7 +53,7 @@ def pearson(pred: Sequence[float], gold: Sequence[float]) -> float:
     x, y = np.asarray(pred, dtype=np.float64), np.asarray(gold, dtype=np.float64)
     x, y = x - x.mean(), y - y.mean()
     denom = np.sqrt((x @ x) * (y @ y))
-    return float(x @ y / denom) if denom else 0.0
+    return float(x @ y / denom) if denom else float("nan")
 
 
 def _ranks(values: np.ndarray) -> np.ndarray:

@@ -22,9 +22,20 @@ def submission_label(task: Task, prediction: int | float) -> object:
     return labels[max(int(prediction), 0)]
 
 
-def write_submission(task: Task, split: Split, examples: Sequence[Example], predictions: Sequence, out_dir: Path) -> Path:
+def submission_name(split: Split, predicted: int, total: int) -> str:
+    """The file's name: the server's (`SST-2.tsv`) for the whole test file; a prediction of its first examples
+    only (an evaluation `limit`) is named as such (`SST-2.partial-10-of-1821.tsv`): no server takes it."""
+    if predicted >= total:
+        return split.submission
+    stem, dot, suffix = split.submission.partition(".")
+    return f"{stem}.partial-{predicted}-of-{total}{dot}{suffix}"
+
+
+def write_submission(task: Task, split: Split, examples: Sequence[Example], predictions: Sequence, out_dir: Path,
+                     total: int | None = None) -> Path:
+    """`total`: the test file's examples, when `examples` may be its first ones only."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / split.submission
+    path = out_dir / submission_name(split, len(examples), len(examples) if total is None else total)
     labels = [submission_label(task, p) for p in predictions]
     if task.benchmark in ("glue", "probe"):  # the probe: GLUE's layout
         lines = ["index\tprediction"] + [f"{e.idx}\t{label}" for e, label in zip(examples, labels)]

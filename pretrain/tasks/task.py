@@ -71,9 +71,13 @@ class Task:
     def label_to_id(self, raw: object, where: str) -> int | float:
         if self.regression:
             try:
-                return float(raw)
+                score = float(raw)
             except (TypeError, ValueError):
                 raise TaskFileError(f"{where}: label {raw!r} is not a number") from None
+            low, high = float(self.label_words[0]), float(self.label_words[-1])  # STS-B: 0.0 ... 5.0
+            if not low <= score <= high:  # also NaN
+                raise TaskFileError(f"{where}: label {raw!r} is outside the task's scores, {low:g} to {high:g}")
+            return score
         for i, value in enumerate(self.raw_labels):
             if raw == value:
                 return i

@@ -32,7 +32,7 @@ from pretrain.model.generation import to_host
 from pretrain.model.mixers import parse_mixers
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.tasks import Example, Task
-from pretrain.tasks.metrics import score
+from pretrain.tasks.metrics import COVERAGE, score
 from pretrain.tasks.submission import write_submission
 from tokenizer.spm import Tokenizer
 
@@ -192,7 +192,11 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
             if not labelled and submission_dir is None:
                 continue
             examples = task.read(folder, file, labelled)
-            examples = examples[:limit] if limit else examples
+            total, examples = len(examples), examples[:limit] if limit else examples
+            if len(examples) < total:
+                log.warning("%s: %d of the %d examples of %s (limit %d): %s", task.name, len(examples), total, file,
+                            limit, "scores of those only, marked in results.json (examples, examples_in_file)"
+                            if labelled else "a partial submission, named as such")
             mine, real, size = _dp_slice(examples)
             group = parallel_state.get_data_parallel_group() if size > 1 else None
             mine_preds = predict(model, tokenizer, task, mine, method, batch_size, max_input_length, group,
@@ -203,20 +207,33 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
                 for m, p in preds.items():
                     suffix = "" if m == "generate" else "_rank"
                     scores.update({f"{k}{suffix}": v for k, v in score(task, p, examples).items()})
-                results[split.name] = scores
+                if undefined := [k for k, v in scores.items() if v != v]:  # NaN: a correlation of a constant series
+                    log.warning("%s: %s undefined (NaN): the predictions or the labels are constant, and a "
+                                "correlation needs both to vary", split.name, ", ".join(undefined))
+                results[split.name] = {**scores, COVERAGE[0]: len(examples), COVERAGE[1]: total}
             elif not dist.is_initialized() or dist.get_rank() == 0:
                 best = preds.get("generate") or preds["rank"]
-                write_submission(task, split, examples, best, submission_dir)
+                write_submission(task, split, examples, best, submission_dir, total)
     return results
+
+
+def _percent(value: float) -> str:
+    return "undefined" if value != value else f"{100 * value:.2f}"
+
+
+def _row_name(name: str, scores: dict[str, float]) -> str:
+    """The task, and how many of its file's examples its scores are of where that is not all."""
+    scored, total = scores.get(COVERAGE[0]), scores.get(COVERAGE[1])
+    return f"{name} ({scored} of {total} examples)" if scored is not None and scored != total else name
 
 
 def markdown_table(results: dict[str, dict[str, float]]) -> str:
     """One row per task, one column per metric (as percentages, like the GLUE leaderboard)."""
-    columns = sorted({m for scores in results.values() for m in scores})
+    columns = sorted({m for scores in results.values() for m in scores if m not in COVERAGE})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, scores in results.items():
-        cells = [f"{100 * scores[c]:.2f}" if c in scores else "" for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        cells = [_percent(scores[c]) if c in scores else "" for c in columns]
+        lines.append(f"| {_row_name(name, scores)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
