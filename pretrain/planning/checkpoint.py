@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pretrain.planning.memory import model_state_bytes
+from pretrain.planning.units import decimal_size
 
 FS_GBPS = 1.0  # GB/s of filesystem write per rank (flag --fs-gbps): see FS_GBPS_WHY
 FS_GBPS_WHY = ("a parallel filesystem (Lustre, GPFS, Weka) gives a client node ~5-10 GB/s, shared by its 8 ranks "
@@ -117,8 +118,8 @@ def estimate_save(ckpt: CheckpointEstimate, every: int, step_s: float, async_sav
 
 def describe_checkpoint(ckpt: CheckpointEstimate, save: SaveEstimate, dp: int, fs_gbps: float) -> list[str]:
     """The planner's lines for the checkpoint."""
-    others = f", {ckpt.other_rank / 1e9:.2f} GB on each rank of DP rank > 0" if dp > 1 else ""
-    lines = [f"checkpoint: {ckpt.first_rank / 1e9:.2f} GB on rank 0{others}, {ckpt.total / 1e9:.2f} GB in all; save "
+    others = f", {decimal_size(ckpt.other_rank)} on each rank of DP rank > 0" if dp > 1 else ""
+    lines = [f"checkpoint: {decimal_size(ckpt.first_rank)} on rank 0{others}, {decimal_size(ckpt.total)} in all; save "
              f"{save.copy_s + save.write_s:.1f} s (host copy {HOST_COPY_GBPS:g} GB/s, write {fs_gbps:g} GB/s per rank, "
              f"crc32 {CRC32_GBPS:g} GB/s)"]
     if not save.every:
@@ -135,11 +136,14 @@ def describe_checkpoint(ckpt: CheckpointEstimate, save: SaveEstimate, dp: int, f
     return lines
 
 
-def warning(save: SaveEstimate) -> str | None:
-    """One line when saving takes more than WALL_SHARE_WARN of wall time, naming what brings it under."""
+def warning(save: SaveEstimate, steps: int) -> str | None:
+    """One line when saving takes more than WALL_SHARE_WARN of wall time, naming what brings it under within the
+    run's `steps` (a cadence beyond them is no periodic save at all: checkpoint.every=0 says so)."""
     if save.wall_share <= WALL_SHARE_WARN:
         return None
-    fix = f"set checkpoint.every={save.every_for(WALL_SHARE_WARN)}"
+    every = save.every_for(WALL_SHARE_WARN)
+    fix = (f"set checkpoint.every={every}" if every < steps
+           else f"set checkpoint.every=0 (one save, at the end of the {steps} steps)")
     if not save.async_save:
         fix += " or checkpoint.async_save=true"
     return (f"warning: checkpoint.every {save.every} spends {save.wall_share:.1%} of wall time saving "

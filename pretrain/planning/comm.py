@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.core.config import Config
+from pretrain.planning.units import decimal_size
 
 BUFFERED_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
 BUS_EFFICIENCY = 0.8  # NCCL's measured bus bandwidth reaches ~80% of the nominal link (nccl-tests, large messages)
@@ -147,7 +148,7 @@ def describe(est: CommEstimate, link_gbps: float, nvlink_gbps: float, gpu_tflops
     lines = [f"communication per step (links: inter-node {link_gbps:.0f} Gb/s per GPU, NVLink {nvlink_gbps:.0f} "
              f"Gb/s, used at {BUS_EFFICIENCY:.0%}; compute at {gpu_tflops:.0f} TFLOP/s x MFU {MFU:.0%}):"]
     for c in est.collectives:
-        lines.append(f"  {c.name:18s} {c.op:14s} {c.calls:4d} calls {c.nbytes / 1e9:8.2f} GB over {c.ranks:3d} "
+        lines.append(f"  {c.name:18s} {c.op:14s} {c.calls:4d} calls {decimal_size(c.nbytes):>9} over {c.ranks:3d} "
                      f"ranks {c.seconds * 1e3:8.1f} ms  {'overlapped' if c.overlapped else 'exposed'}")
     lines.append(f"  compute {est.compute_s * 1e3:.1f} ms + exposed communication {est.exposed_s * 1e3:.1f} ms = "
                  f"step {est.step_s * 1e3:.1f} ms ({est.exposed_fraction:.0%} exposed)")

@@ -37,6 +37,7 @@ from pretrain.planning.checkpoint import (
 )
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory
+from pretrain.planning.units import binary_size, count
 from pretrain.runtime.engine import build_deepspeed_config
 
 AUTO_FILL = 0.9  # auto micro batch: leave 10% of the device for what the estimate does not see
@@ -221,30 +222,30 @@ def plan_checkpoint(cfg: Config, layout: Layout, est: MemoryEstimate) -> Checkpo
 def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_per_node: int = 8,
            link_gbps: float = IB_GBPS, nvlink_gbps: float = NVLINK_GBPS, gpu_tflops: float = GPU_TFLOPS,
            fs_gbps: float = FS_GBPS) -> tuple[str, str | None]:
-    """The planner's table: layout, memory per GPU (GiB), FLOPs, communication per step, the checkpoint; and a
+    """The planner's table: layout, memory per GPU, FLOPs, communication per step, the checkpoint; and a
     warning line when saving takes more than 5% of wall time (else None)."""
     flops = cfg.train.global_batch * flops_per_sequence(_resolved(cfg).model, layout.input_length, layout.target_length)
     comm = estimate_comm(cfg, layout.tp, layout.dp, layout.micro_batch, layout.accumulation, layout.target_length,
                          est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops,
                          embedding_params=layout.vocab_rows // layout.tp * cfg.model.d_model)
-    g = lambda nbytes: f"{nbytes / GiB:7.2f}"  # noqa: E731
+    g = lambda nbytes: f"{binary_size(nbytes):>10}"  # noqa: E731
     lines = [
         f"layout: {layout.world} GPUs = TP {layout.tp} x DP {layout.dp}, ZeRO {layout.zero_stage}, {cfg.precision}; "
         f"global batch {cfg.train.global_batch} = micro {layout.micro_batch} x accumulation {layout.accumulation} "
         f"x DP {layout.dp}; {layout.tokens_per_step:,} tokens/step ({layout.input_length} + {layout.target_length})",
-        f"model: {est.num_params / 1e9:.3f} B parameters per GPU (TP shard), vocabulary rows {layout.vocab_rows}",
+        f"model: {count(est.num_params)} parameters per GPU (TP shard), vocabulary rows {layout.vocab_rows}",
         _data_line(cfg, layout),
-        "memory per GPU (GiB):",
+        "memory per GPU:",
         f"  parameters           {g(est.params)}",
         f"  gradients            {g(est.grads)}",
         f"  optimizer states     {g(est.optimizer)}",
-        f"  activations          {g(est.activations)}   (recompute none {est.activations_none / GiB:.2f}, "
-        f"selective {est.activations_selective / GiB:.2f}, full {est.activations_full / GiB:.2f})",
+        f"  activations          {g(est.activations)}   (recompute none {binary_size(est.activations_none)}, "
+        f"selective {binary_size(est.activations_selective)}, full {binary_size(est.activations_full)})",
         f"  buffers              {g(est.buffers)}",
-        f"  total                {g(est.total)}   of {memory / GiB:.0f}",
+        f"  total                {g(est.total)}   of {binary_size(memory)}",
         f"model FLOPs per step: {flops:.3e} ({flops / layout.world:.3e} per GPU)",
         *describe(comm, link_gbps, nvlink_gbps, gpu_tflops),
     ]
     ckpt = plan_checkpoint(cfg, layout, est)
     save = estimate_save(ckpt, cfg.checkpoint.every, comm.step_s, cfg.checkpoint.async_save, fs_gbps)
-    return "\n".join(lines + describe_checkpoint(ckpt, save, layout.dp, fs_gbps)), warning(save)
+    return "\n".join(lines + describe_checkpoint(ckpt, save, layout.dp, fs_gbps)), warning(save, cfg.train.steps)
