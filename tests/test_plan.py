@@ -57,6 +57,36 @@ def test_activation_estimate_within_25_percent_of_measured_peak(mixer, mode):
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
+@pytest.mark.parametrize("mixer", ["vanilla", "dense", "dense+vanilla"])
+def test_fused_attention_needs_no_logit_memory_and_the_estimate_counts_it(mixer):
+    # position_bias none: CPU training runs the fused kernel (pretrain/model/attention.py `_fused`), which stores
+    # nothing of size [b, heads, n, m]: from encoder length 1024 to 2048 the peak grows by the linear activations
+    # alone (materialised, each layer's probabilities alone are 64 MiB at 2048); the planner's CPU trace counts the
+    # kernel's saved tensors, not the meta dispatch's math path
+    peaks = {}
+    for n in (1024, 2048):
+        cfg = load_config(Config, "configs/tiny.yaml", SMALL + [
+            f"model.encoder_attention={mixer}", f"model.decoder_attention={mixer}", "model.position_bias=none",
+            f"model.max_length={n}", f"data.input_length={n}"])
+        peaks[n] = _measured_peak(cfg, 1, n, 28, "none")
+        estimate = activation_bytes(trace_activations(cfg, 1, 1, 28, device="cpu"), "none")
+        assert 0.75 * peaks[n] <= estimate <= 1.25 * peaks[n], (n, estimate, peaks[n])
+    assert peaks[2048] - peaks[1024] < 40 * 2**20, peaks
+
+
+def test_cuda_estimate_counts_the_mask_gradient_of_the_memory_efficient_backward():
+    # a trained mask (T5's bias [1, heads, n, n]) makes CUDA's memory-efficient backward allocate its gradient at
+    # [b, heads, n, n] (one layer at a time); with position_bias none there is none
+    for position_bias, expected in (("all", 8 * 4 * 128 * 128 * 2), ("none", 0)):
+        cfg = load_config(Config, "configs/tiny.yaml", SMALL + ["precision=bf16", f"model.position_bias={position_bias}",
+                                                                "model.encoder_attention=dense+vanilla",
+                                                                "model.decoder_attention=dense+vanilla"])
+        trace = trace_activations(cfg, 1, 8, 28, device="cuda")
+        assert trace.attention_backward == expected
+        without = activation_bytes(dataclasses.replace(trace, attention_backward=0), "selective")
+        assert activation_bytes(trace, "selective") == without + expected
+
+
 @pytest.mark.parametrize("mixer", ["vanilla", "random+vanilla"])
 def test_activation_estimate_counts_dropout_masks(mixer):
     cfg = load_config(Config, "configs/tiny.yaml", SMALL + [f"model.encoder_attention={mixer}",

@@ -24,7 +24,7 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, masked: bool, mask_gr
                  head_dim: int) -> SDPBackend:
     """The one kernel for a layer: `masked` an attn_mask is passed, `mask_grad` it is trained (see the module
     docstring); `head_dim` the larger of Q's and V's."""
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # meta: the planner's trace of a CPU job
         return SDPBackend.FLASH_ATTENTION if not mask_grad and p == 0 else SDPBackend.MATH
     if device.type != "cuda" or dtype == torch.float64:
         return SDPBackend.MATH

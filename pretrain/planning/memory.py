@@ -14,10 +14,14 @@ trainer's real groups, if any: nothing else runs meanwhile).
 
 What the trace cannot see is device-specific: on CUDA, `F.scaled_dot_product_attention` runs a fused kernel
 that keeps Q, K, V, the output and the log-sum-exp instead of the probabilities (counted so for
-`device="cuda"`; on CPU the meta dispatch keeps what the CPU kernels keep), and on CUDA the context, NCCL
-and allocator reserve (`CUDA_RESERVE_BYTES`) is added. The backward adds no term of its own: measured on
-CPU (tests/test_plan.py) the peak of a forward + backward stays within a few percent of the bytes saved at
-the end of the forward, because each layer's backward frees its saved tensors as it creates gradients.
+`device="cuda"`; on CPU so for self-attention's fused form where the CPU's flash kernel runs it, no trained mask and
+no dropout, and elsewhere the meta dispatch keeps what the CPU's math path keeps), and on CUDA the context, NCCL
+and allocator reserve (`CUDA_RESERVE_BYTES`) is added. The backward adds one term of its own: on CUDA the
+memory-efficient kernel's backward allocates the gradient of a trained mask at the expanded [b, heads, n, m] size
+before summing it to the mask's shape (T5's bias [1, heads, n, m]: 192 MiB at configs/base.yaml's micro batch 32 in
+bf16), one layer at a time (`ActivationTrace.attention_backward`). Otherwise, measured on CPU (tests/test_plan.py),
+the peak of a forward + backward stays within a few percent of the bytes saved at the end of the forward, because
+each layer's backward frees its saved tensors as it creates gradients.
 """
 from __future__ import annotations
 
@@ -183,18 +187,23 @@ class ActivationTrace:
     rest: int  # saved outside the layers: embeddings, relative bias, final norms, LM head, loss
     logits: int  # the returned logits [b, m, vocab/tp], alive until the backward
     layer_inputs: int  # what full recompute keeps per layer: its input hidden states, summed over layers
+    attention_backward: int = 0  # the largest transient of one attention backward: CUDA's mask gradient, expanded
 
 
 def _fused_attention_like_cuda(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-    """SDPA as the CUDA kernels save it: Q, K, V, output and log-sum-exp (fp32), the mask if it needs a grad."""
+    """SDPA as the fused kernels save it: Q, K, V, output and log-sum-exp (fp32), the mask if it needs a grad; and
+    the backward's gradient of such a mask, at the expanded [b, heads, n, m] size (CUDA's memory-efficient kernel)."""
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    keep = [q, k, v, out, lse] + ([attn_mask] if attn_mask is not None and attn_mask.requires_grad else [])
-    _SAVED_BY_KERNEL.extend(keep)
+    trained = attn_mask is not None and attn_mask.requires_grad
+    _SAVED_BY_KERNEL.extend([q, k, v, out, lse] + ([attn_mask] if trained else []))
+    if trained:
+        _BACKWARD_TRANSIENT.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * attn_mask.element_size())
     return out
 
 
 _SAVED_BY_KERNEL: list[torch.Tensor] = []
+_BACKWARD_TRANSIENT: list[int] = []
 
 
 def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int, device: str = "cuda",
@@ -235,9 +244,9 @@ def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int
     )
     sdpa = F.scaled_dot_product_attention
     _SAVED_BY_KERNEL.clear()
+    _BACKWARD_TRANSIENT.clear()
     try:
-        if device == "cuda":
-            F.scaled_dot_product_attention = _counting_sdpa(region, record)
+        F.scaled_dot_product_attention = _counting_sdpa(region, record, device, sdpa)
         with tp_shapes(tp), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(**ids)
     finally:
@@ -258,6 +267,7 @@ def trace_activations(cfg: Config, tp: int, micro_batch: int, target_length: int
         rest=by_region.get("rest", 0),
         logits=0 if id(logits) in seen else logits.untyped_storage().nbytes(),
         layer_inputs=b * d * dtype_bytes * (cfg.model.num_layers * n + cfg.model.num_decoder_layers * m),
+        attention_backward=max(_BACKWARD_TRANSIENT, default=0),
     )
 
 
@@ -271,8 +281,15 @@ def _tag_core(fn, region: list[str], i: int):
     return tagged
 
 
-def _counting_sdpa(region: list[str], record):
-    def sdpa(*args, **kwargs):
+def _counting_sdpa(region: list[str], record, device: str, real):
+    """SDPA counted as the fused kernel saves it: every call on CUDA; on the CPU self-attention's fused form where the
+    flash kernel runs it (pretrain/model/sdpa.py: no trained mask, no dropout); `real` (the meta math path) else."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        cpu_flash = (region[-1].startswith("core") and torch.backends.cuda.flash_sdp_enabled() and dropout_p == 0
+                     and not (attn_mask is not None and attn_mask.requires_grad))
+        if device != "cuda" and not cpu_flash:
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+        args = (q, k, v, attn_mask, dropout_p, is_causal)
         out = _fused_attention_like_cuda(*args, **kwargs)
         for t in _SAVED_BY_KERNEL:
             record(t)
@@ -286,8 +303,8 @@ def activation_bytes(trace: ActivationTrace, mode: str) -> int:
     """Peak activation bytes for train.activation_checkpointing `mode` (none, full or selective)."""
     largest = max(trace.blocks, default=0)
     if mode == "full":  # layer inputs kept; one layer's activations rebuilt at a time during the backward
-        return trace.rest + trace.logits + trace.layer_inputs + largest
-    saved = sum(trace.blocks) + trace.rest + trace.logits
+        return trace.rest + trace.logits + trace.layer_inputs + largest + trace.attention_backward
+    saved = sum(trace.blocks) + trace.rest + trace.logits + trace.attention_backward
     if mode == "selective":  # cores dropped; one rebuilt at a time
         return saved - trace.core + trace.largest_core
     return saved
