@@ -39,8 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise UsageError("--nodes and --gpus-per-node must be >= 1")
-        if not min(args.link_gbps, args.nvlink_gbps, args.gpu_tflops, args.fs_gbps) > 0:  # also NaN
-            raise UsageError("--link-gbps, --nvlink-gbps, --gpu-tflops and --fs-gbps must be > 0")
+        for flag in ("gpu_memory_gb", "link_gbps", "nvlink_gbps", "gpu_tflops", "fs_gbps"):
+            if not getattr(args, flag) > 0:  # also NaN; --gpu-memory-gb 0 planned a layout, then said "add GPUs"
+                raise UsageError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) must be > 0")
         cfg = load_config(Config, args.config, args.overrides)
         layout = check_job(cfg, args.nodes * args.gpus_per_node, memory)
         est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cuda")

@@ -190,5 +190,4 @@ def test_planner_prints_the_exposed_share(capsys):
     assert exposed("zero.reduce_bucket_size=200000000") == "18% exposed)"
     assert exposed("--link-gbps", "100") == "72% exposed)"
     assert main(["--config", "configs/xl.yaml", "--link-gbps", "0"]) == 2
-    assert capsys.readouterr().err == ("pretrain.plan: --link-gbps, --nvlink-gbps, --gpu-tflops and --fs-gbps "
-                                        "must be > 0\n")
+    assert capsys.readouterr().err == "pretrain.plan: --link-gbps (0.0) must be > 0\n"
