@@ -57,6 +57,36 @@ def test_activation_estimate_within_25_percent_of_measured_peak(mixer, mode):
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
+@pytest.mark.parametrize("mixer", ["vanilla", "dense", "dense+vanilla"])
+def test_fused_attention_needs_no_logit_memory_and_the_estimate_counts_it(mixer):
+    # position_bias none: CPU training runs the fused kernel (pretrain/model/attention.py `_fused`), which stores
+    # nothing of size [b, heads, n, m]: from encoder length 1024 to 2048 the peak grows by the linear activations
+    # alone (materialised, each layer's probabilities alone are 64 MiB at 2048); the planner's CPU trace counts the
+    # kernel's saved tensors, not the meta dispatch's math path
+    peaks = {}
+    for n in (1024, 2048):
+        cfg = load_config(Config, "configs/tiny.yaml", SMALL + [
+            f"model.encoder_attention={mixer}", f"model.decoder_attention={mixer}", "model.position_bias=none",
+            f"model.max_length={n}", f"data.input_length={n}"])
+        peaks[n] = _measured_peak(cfg, 1, n, 28, "none")
+        estimate = activation_bytes(trace_activations(cfg, 1, 1, 28, device="cpu"), "none")
+        assert 0.75 * peaks[n] <= estimate <= 1.25 * peaks[n], (n, estimate, peaks[n])
+    assert peaks[2048] - peaks[1024] < 40 * 2**20, peaks
+
+
+def test_cuda_estimate_counts_the_mask_gradient_of_the_memory_efficient_backward():
+    # a trained mask (T5's bias [1, heads, n, n]) makes CUDA's memory-efficient backward allocate its gradient at
+    # [b, heads, n, n] (one layer at a time); with position_bias none there is none
+    for position_bias, expected in (("all", 8 * 4 * 128 * 128 * 2), ("none", 0)):
+        cfg = load_config(Config, "configs/tiny.yaml", SMALL + ["precision=bf16", f"model.position_bias={position_bias}",
+                                                                "model.encoder_attention=dense+vanilla",
+                                                                "model.decoder_attention=dense+vanilla"])
+        trace = trace_activations(cfg, 1, 8, 28, device="cuda")
+        assert trace.attention_backward == expected
+        without = activation_bytes(dataclasses.replace(trace, attention_backward=0), "selective")
+        assert activation_bytes(trace, "selective") == without + expected
+
+
 @pytest.mark.parametrize("mixer", ["vanilla", "random+vanilla"])
 def test_activation_estimate_counts_dropout_masks(mixer):
     cfg = load_config(Config, "configs/tiny.yaml", SMALL + [f"model.encoder_attention={mixer}",
@@ -311,3 +341,25 @@ def test_a_checkpoint_that_takes_over_5_percent_of_wall_time_is_named_once(capsy
     # a slower filesystem: the save's write at 0.05 GB/s per rank makes the shipped cadence cross 5% too
     code, out, err = _plan(capsys, *shape, "--fs-gbps", "0.05")
     assert code == 0 and "warning: checkpoint.every 2000 spends" in err
+
+
+def test_sizes_print_in_the_unit_that_fits_and_the_advice_stays_within_the_run(capsys):
+    import re
+
+    from pretrain.planning.units import binary_size, count, decimal_size
+
+    assert [count(n) for n in (612, 478_040, 999_600, 2_850_000_000)] == ["612", "478K", "1.00M", "2.85B"]
+    assert [binary_size(n) for n in (0, 1_900_000, 1019 * 2**20, 5.31 * 2**30)] == ["0 B", "1.81 MiB", "1.00 GiB",
+                                                                                       "5.31 GiB"]
+    assert [decimal_size(n) for n in (300, 6_100_000, 39.9e9)] == ["300 B", "6.10 MB", "39.9 GB"]
+    # configs/tiny.yaml on 2 GPUs (DP 2, fp32, ZeRO 1): the count and the weights' bytes of the real model, not zeros
+    code, out, err = _plan(capsys, "--config", "configs/tiny.yaml", "--nodes", "1", "--gpus-per-node", "2")
+    cfg = load_config(Config, "configs/tiny.yaml")
+    num_params = sum(p.numel() for p in build_local_model(cfg.model).parameters())
+    assert code == 0 and f"model: {count(num_params)} parameters per GPU" in out and num_params < 1e6
+    assert re.search(rf"\n  parameters +{re.escape(binary_size(4 * num_params))}\n", out), out
+    assert not re.search(r" 0\.00 ", out), out  # no row rounded to nothing
+    # its checkpoint.every 20 on a 40-step run: a save of ~5 MB against estimated GPU steps of 0.03 ms is most of the
+    # wall time, and no periodic cadence fixes that within the 40 steps: the advice says so instead of every=18350
+    advised = re.search(r"set checkpoint\.every=(\d+)", err)
+    assert advised and int(advised.group(1)) == 0 and "(one save, at the end of the 40 steps)" in err, err
