@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _launch(argv: Sequence[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # deferred: --help stays fast
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import determine_local_world_size, parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     nproc = args.nproc_per_node  # torchrun: 0 and -1 a bare AssertionError, 2x a ValueError
@@ -151,6 +151,8 @@ def _launch(argv: Sequence[str] | None) -> int:
               "gpu, cpu or auto", file=sys.stderr)
         return 2  # a usage mistake (pretrain.runtime.faults.EXIT_USAGE)
     os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (launch/env.py)
+    if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its six-line banner
     args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)
     # the agent's own report of a failed rank (its exit code, pid, closing the others): the ranks said it already
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -13,15 +13,31 @@ How megatron-core and DeepSpeed are imported, set here before any of our modules
   those imports run with `torch.compile` deferred (a decorated function is compiled at its first call, as
   `torch.compile` itself does: the same functions, compiled when used) and, for megatron-core, wandb reading as
   absent; both are restored when the import ends, and megatron's `jit_fuser` is set back to `torch.compile`.
+- DeepSpeed's notice of the accelerator it picked goes to DEBUG (`_DebugLevel`).
 """
 import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 import warnings
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+
+
+class _DebugLevel(logging.Filter):
+    """DeepSpeed's notice of the accelerator it picked ("Setting accelerator to CPU. If you have GPU ...", a
+    WARNING on stdout from every rank of every CPU job; "Setting ds_accelerator to cuda" on a GPU) at DEBUG:
+    the handlers, at WARNING or INFO, drop it, and a DeepSpeed logger set to DEBUG still shows it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(("Setting accelerator to", "Setting ds_accelerator to")):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("DeepSpeed").addFilter(_DebugLevel())  # the logger DeepSpeed makes at import, filters kept
 
 # module -> whether its import also hides wandb
 _LEAN_IMPORTS = {"megatron.core": True, "deepspeed.runtime.zero.muon.original_muon": False}

@@ -2,16 +2,19 @@
 
     python -m pretrain.demo [--work runs/demo] [--pretrain-steps 400]
 
-Stages, each the project's own command in a subprocess (so the demo runs exactly what a user runs):
+Stages, each the project's own command in a subprocess (so the demo runs exactly what a user runs), its whole
+output in WORK/logs/stageN.log under the number of its header:
   1. text       real English text written in C4's json.gz layout     python -m pretrain.data.fetch
   2. tokenizer  a 1000-piece SentencePiece model + 100 sentinels      python -m tokenizer.train
-  3. shards     webdataset shards of token ids                        python -m pretrain.data.prepare
-  4. pretrain   the tiny Random+Vanilla Synthesizer, 2 processes (DP) launch.run -m pretrain.train
-  5. export     checkpoint -> HF-layout folder                        python -m pretrain.export
-  6. polarity   Pang & Lee's sentences in SST-2's layout              python -m pretrain.tasks.polarity
-  7. finetune   text-to-text fine-tuning + evaluation at TP 2         launch.run -m pretrain.finetune
+  3. shards     webdataset shards of token ids: train                 python -m pretrain.data.prepare
+  4. shards     the same: validation                                  python -m pretrain.data.prepare
+  5. pretrain   the tiny Random+Vanilla Synthesizer, 2 processes (DP) launch.run -m pretrain.train
+  6. export     checkpoint -> HF-layout folder                        python -m pretrain.export
+  7. polarity   Pang & Lee's sentences in SST-2's layout              python -m pretrain.tasks.polarity
+  8. finetune   text-to-text fine-tuning + evaluation at TP 2         launch.run -m pretrain.finetune
 Downloads are cached (~/.cache/synthesizer-pretrain); a finished stage's output is reused on a rerun. The
-last lines are the scores table and where the TensorBoard logs and the exported model are.
+last lines are the scores table (beside the majority-class baseline and chance) and where the TensorBoard logs
+and the exported model are.
 """
 from __future__ import annotations
 
@@ -61,35 +64,36 @@ def main(argv: list[str] | None = None) -> None:
     text, tok, shards = work / "text", work / "tokenizer", work / "shards"
     pretrain, export, polarity, finetune = work / "pretrain", work / "export", work / "polarity", work / "finetune"
     stages = [
-        ("1/7 text: Wikipedia + news in C4's layout", [py, "-m", "pretrain.data.fetch", "--output", str(text)],
+        ("text: Wikipedia + news in C4's layout", [py, "-m", "pretrain.data.fetch", "--output", str(text)],
          text / "c4-validation.00000-of-00001.json.gz"),
-        ("2/7 tokenizer: SentencePiece, 1000 pieces + 100 sentinels",
+        ("tokenizer: SentencePiece, 1000 pieces + 100 sentinels",
          [py, "-m", "tokenizer.train", "--input", str(text / "c4-train.*.json.gz"), "--output", str(tok),
           "--vocab-size", "1000"], tok / "spiece.model"),
-        ("3/7 shards: train", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-train.*.json.gz"),
+        ("shards: train", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-train.*.json.gz"),
                                "--output", str(shards / "train"), "--tokenizer", str(tok / "spiece.model")],
          shards / "train" / "index.json"),
-        ("3/7 shards: validation", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-validation.*.json.gz"),
+        ("shards: validation", [py, "-m", "pretrain.data.prepare", "--input", str(text / "c4-validation.*.json.gz"),
                                     "--output", str(shards / "valid"), "--tokenizer", str(tok / "spiece.model")],
          shards / "valid" / "index.json"),
-        (f"4/7 pretrain: tiny Random+Vanilla Synthesizer, {args.pretrain_steps} steps, 2 processes (data parallel)",
+        (f"pretrain: tiny Random+Vanilla Synthesizer, {args.pretrain_steps} steps, 2 processes (data parallel)",
          launch + ["-m", "pretrain.train", "--config", "configs/tiny.yaml", f"run.dir={pretrain}",
                    f"data.train={shards / 'train'}", f"data.valid={shards / 'valid'}",
                    f"data.tokenizer={tok / 'spiece.model'}", f"train.steps={args.pretrain_steps}",
                    "checkpoint.every=0", "eval.every=100", "log.every=50"],
          pretrain / "checkpoints" / "latest"),
-        ("5/7 export: checkpoint -> model.safetensors + config.json + tokenizer",
+        ("export: checkpoint -> model.safetensors + config.json + tokenizer",
          [py, "-m", "pretrain.export", "--run", str(pretrain), "--output", str(export)], export),
-        ("6/7 polarity: 4,000 movie-review sentences in SST-2's layout",
+        ("polarity: 4,000 movie-review sentences in SST-2's layout",
          [py, "-m", "pretrain.tasks.polarity", "--output", str(polarity)], polarity / "test.tsv"),
-        ("7/7 finetune + evaluate: sst2 on the polarity set, tensor parallel over 2 processes",
+        ("finetune + evaluate: sst2 on the polarity set, tensor parallel over 2 processes",
          launch + ["-m", "pretrain.finetune", "--config", "configs/finetune/polarity.yaml", f"init={export}",
                    f"data.dir={polarity}", f"run.dir={finetune}", "parallel.tensor=2"],
          finetune / "results.json"),
     ]
     for i, (title, cmd, done) in enumerate(stages):
-        _run(title, cmd, done, work / "logs" / f"stage{i + 1}.log", start)
-    print(f"\n[{time.perf_counter() - start:6.0f}s] done. Scores (dev set, % ; _rank: rank classification):\n")
+        _run(f"{i + 1}/{len(stages)} {title}", cmd, done, work / "logs" / f"stage{i + 1}.log", start)
+    print(f"\n[{time.perf_counter() - start:6.0f}s] done. Scores (dev set, %; _rank: rank classification), each "
+          "beside the majority-class baseline and chance:\n")
     print((finetune / "results.md").read_text())
     print(f"exported model:   {export}  (loads with AutoModelForSeq2SeqLM.from_pretrained(..., "
           "trust_remote_code=True) or pretrain.transfer.exporting.load_pretrained)")

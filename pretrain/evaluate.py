@@ -14,7 +14,13 @@ import torch
 
 from pretrain.core.finetune_config import METHODS
 from pretrain.tasks import get_task
-from pretrain.transfer.evaluation import check_evaluation_files, evaluate_task, markdown_table, write_results
+from pretrain.transfer.evaluation import (
+    check_evaluation_files,
+    evaluate_task,
+    markdown_table,
+    task_baselines,
+    write_results,
+)
 from tokenizer.spm import Tokenizer
 
 
@@ -22,13 +28,15 @@ def main(argv: list[str] | None = None) -> None:
     from pretrain.runtime.metrics import MetricsLogger
     from pretrain.transfer.exporting import load_pretrained
 
-    parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     parser.add_argument("--export", required=True, help="export folder (python -m pretrain.export)")
     parser.add_argument("--task", required=True, help="task name: sst2, mnli, boolq, ...")
     parser.add_argument("--data", required=True, help="the task's folder in the official layout")
     parser.add_argument("--output", required=True, help="folder for results.json, results.md, submission/")
-    parser.add_argument("--method", default="both", choices=METHODS)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--method", default="both", choices=METHODS,
+                        help="greedy generation, rank classification over the label words, or both (default: both)")
+    parser.add_argument("--batch", type=int, default=32, help="examples per forward pass (default: 32)")
     parser.add_argument("--max-input-length", type=int, default=512,
                         help="tokens per input including EOS (capped at model.max_length of a synthesized encoder)")
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples of each file")
@@ -56,11 +64,12 @@ def main(argv: list[str] | None = None) -> None:
                                 args.limit, out / "submission")
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    write_results(out, results)
+    baselines = task_baselines(task, args.data, args.limit)
+    write_results(out, results, baselines)
     metrics = MetricsLogger(out, enabled=True)
     metrics.write(0, {f"eval/{t}/{k}": v for t, s in results.items() for k, v in s.items()})
     metrics.close()
-    print(markdown_table(results), end="")
+    print(markdown_table(results, baselines), end="")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.plot",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl")
     parser.add_argument("--output", default="metrics.png", help="PNG file to write (default: metrics.png)")
     parser.add_argument("--metrics", default="", help="comma-separated keys of metrics.jsonl (default: "

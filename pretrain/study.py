@@ -16,7 +16,8 @@ from pretrain.experiments.runner import prepare_data, run_cell, run_study, write
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.study", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m pretrain.study",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()),
                                      usage="%(prog)s --config FILE [--cells | --stage STAGE [--cell I]] [section.key=value ...]")
     parser.add_argument("--config", help="study config (configs/study/*.yaml)")
     parser.add_argument("--cells", action="store_true", help="print the number of cells and the study folder")

@@ -165,7 +165,8 @@ def build_pair_task(inputs: list[str], out: str | Path, spec: PairSpec = PairSpe
 def main(argv: list[str] | None = None) -> None:
     from pretrain.data.documents import expand_glob
 
-    parser = argparse.ArgumentParser(prog="python -m pretrain.tasks.pair_data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.tasks.pair_data",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--input", required=True, help="glob of held-out documents (c4-validation.*.json.gz)")
     parser.add_argument("--output", required=True, help="folder to write train.tsv, dev.tsv, test.tsv into")
     parser.add_argument("--tokenizer", default="", help="spiece.model: drop pairs longer than --max-input-length")

@@ -32,6 +32,7 @@ from pretrain.model.generation import to_host
 from pretrain.model.mixers import parse_mixers
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.tasks import Example, Task
+from pretrain.tasks.baselines import baselines
 from pretrain.tasks.metrics import COVERAGE, score
 from pretrain.tasks.submission import write_submission
 from tokenizer.spm import Tokenizer
@@ -119,10 +120,11 @@ def _rank(model: T5Model, tokenizer: Tokenizer, task: Task, batch: Encoded) -> l
 
 def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence[Example], method: str,
             batch_size: int, max_input_length: int, group: dist.ProcessGroup | None = None,
-            between_batches: Callable[[], None] | None = None) -> dict[str, list]:
+            between_batches: Callable[[], None] | None = None, desc: str = "") -> dict[str, list]:
     """{"generate": [...], "rank": [...]} predictions for this DP rank's examples (all of `examples` at DP 1).
     With `group`, its ranks (holding equally many examples) decode in lockstep. `between_batches` is called before
-    each batch (a job's preemption check: it may raise)."""
+    each batch (a job's preemption check: it may raise). `desc` names the pass in the progress line (default: the
+    task and method)."""
     if method not in METHODS:
         raise UsageError(f"eval method '{method}' is not one of {', '.join(METHODS)}")
     was_training = model.training
@@ -132,7 +134,7 @@ def predict(model: T5Model, tokenizer: Tokenizer, task: Task, examples: Sequence
     out: dict[str, list] = {m: [] for m in ("generate", "rank") if method in (m, "both")}
     starts = range(0, len(examples), batch_size)
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    for start in progress(starts, len(starts), f"{task.name} {method}: batches", enabled=first_rank):
+    for start in progress(starts, len(starts), f"{desc or f'{task.name} {method}'}: batches", enabled=first_rank):
         if between_batches is not None:
             between_batches()
         texts = [e.inputs for e in examples[start : start + batch_size]]
@@ -200,7 +202,7 @@ def evaluate_task(model: T5Model, tokenizer: Tokenizer, task: Task, folder: str 
             mine, real, size = _dp_slice(examples)
             group = parallel_state.get_data_parallel_group() if size > 1 else None
             mine_preds = predict(model, tokenizer, task, mine, method, batch_size, max_input_length, group,
-                                 between_batches)
+                                 between_batches, desc=f"{split.name} {file} {method}")  # sst2 dev.tsv both
             preds = _gather({m: p[:real] for m, p in mine_preds.items()}, size)
             if labelled:
                 scores = {}
@@ -227,24 +229,41 @@ def _row_name(name: str, scores: dict[str, float]) -> str:
     return f"{name} ({scored} of {total} examples)" if scored is not None and scored != total else name
 
 
-def markdown_table(results: dict[str, dict[str, float]]) -> str:
-    """One row per task, one column per metric (as percentages, like the GLUE leaderboard)."""
+def task_baselines(task: Task, folder: str | Path, limit: int = 0) -> dict[str, dict[str, dict[str, float]]]:
+    """{split: {"majority class (positive)": {metric: score}, ...}} on the validation examples `evaluate_task`
+    scores (pretrain/tasks/baselines.py)."""
+    out = {}
+    for split in task.splits:
+        examples = task.read(folder, split.validation, labelled=True)
+        out[split.name] = baselines(task, examples[:limit] if limit else examples)
+    return out
+
+
+def markdown_table(results: dict[str, dict[str, float]], baselines: dict | None = None) -> str:
+    """One row per task, one column per metric (as percentages, like the GLUE leaderboard), each followed by its
+    baselines' rows ({split: {row: {metric: score}}}: a metric's score fills its `_rank` column too)."""
     columns = sorted({m for scores in results.values() for m in scores if m not in COVERAGE})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, scores in results.items():
         cells = [_percent(scores[c]) if c in scores else "" for c in columns]
         lines.append(f"| {_row_name(name, scores)} | " + " | ".join(cells) + " |")
+        for row, base in (baselines or {}).get(name, {}).items():
+            cells = [f"{100 * base[m]:.2f}" if (m := c.removesuffix("_rank")) in base else "" for c in columns]
+            lines.append(f"| {name}: {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_results(run_dir: Path, results: dict[str, dict[str, float]]) -> None:
-    """Merge into `run_dir/results.json` (other tasks' results are kept) and rewrite `results.md`."""
-    path = run_dir / "results.json"
-    merged = json.loads(path.read_text()) if path.is_file() else {}
-    merged.update(results)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    (run_dir / "results.md").write_text(markdown_table(merged))
+def write_results(run_dir: Path, results: dict[str, dict[str, float]], baselines: dict | None = None) -> None:
+    """Merge into `run_dir/results.json` (other tasks' results are kept) and `baselines.json` (`task_baselines`),
+    and rewrite `results.md` from both."""
+    merged = {}
+    for name, new in (("results.json", results), ("baselines.json", baselines or {})):
+        path = run_dir / name
+        merged[name] = json.loads(path.read_text()) if path.is_file() else {}
+        merged[name].update(new)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(merged[name], indent=1, sort_keys=True) + "\n")
+    (run_dir / "results.md").write_text(markdown_table(merged["results.json"], merged["baselines.json"]))
 
 
 class TaskEvaluation:
@@ -268,6 +287,6 @@ class TaskEvaluation:
                                 between_batches=lambda: stop_if_preempted(device, "during evaluation"))
         record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
         if self.rank == 0:
-            write_results(self.run_dir, results)
+            write_results(self.run_dir, results, task_baselines(self.task, self.cfg.data.dir, self.cfg.eval.limit))
             log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in record.items()))
         return record
