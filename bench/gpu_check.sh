@@ -2,16 +2,20 @@
 # The one-GPU check, under 8 minutes on one bare H200 with the device kit installed first:
 #   bash bench/gpu_check.sh [OUT_DIR]            there, with carry [".kit"] (docs/cluster.md, "The one-GPU check")
 #   DRY_RUN=1 bash bench/gpu_check.sh [OUT_DIR]  the same sections on the CPU, tiny (bench/rehearse_gpu_check.sh)
+#   SECTIONS="kit attention" bash bench/gpu_check.sh   a partial rerun: only the sections named (default: all)
 #
 #   0. kit         the kit's wheels (bash bench/device_kit.sh) installed into a temporary folder put on PYTHONPATH
 #   1. env         CUDA, bf16 and NCCL sanity (a bf16 GEMM against fp32, a 1-rank NCCL all-reduce), the versions
+#                  (torch, CUDA, cuDNN, NCCL)
 #      startup     host memory while the trainer's build_model puts CONFIG's model on the GPU (must stay small)
 #   2. throughput  bench.throughput at configs/base.yaml, bf16: vanilla, dense, random, factorized_random,
 #                  random+vanilla (the trainer's step; median, IQR, tokens/s, TFLOP/s, MFU, peak memory)
-#   3. sdpa        vanilla and random+vanilla attention through SDPA against materialised logits (time, memory)
+#   3. attention   bench.attention: each mixer's attention core, fused (one SDPA call, the kernel it names) against
+#                  materialised logits, N 512-2048, with and without T5's bias (time, memory; rows as they finish)
 #   4. pipeline    50-step pretraining of configs/tiny.yaml in bf16, export, fine-tuning with evaluation (sst2)
 # Every section runs under a time limit (30 + 40 + 40 + 130 + 80 + 110 s, each killed 5 s after its limit: under
-# 8 minutes in all); a failure is recorded and the next section still runs. OUT_DIR (default $OUT, else
+# 8 minutes in all); a failure is recorded and the next section still runs; the benchmarks print each row as it
+# finishes, so a section cut by its limit keeps its rows in its log. OUT_DIR (default $OUT, else
 # runs/gpu_check) gets 7 files, as the machine returns at most 8: summary.md (each section's status and time, the
 # tables, the fine-tuning scores) and <section>.log for each section.
 #
@@ -28,11 +32,14 @@ DATA=$KIT/data
 PY=${PYTHON:-python3}
 DRY_RUN=${DRY_RUN:-0}
 TIME_SCALE=${TIME_SCALE:-1}  # multiplies every section's limit: a dry run on a small, shared CPU needs more
+SECTIONS=${SECTIONS:-kit env startup throughput attention pipeline}
 # a dry run takes the same paths with fewer steps: the benchmarks' 5 + 20 and the pipeline's 50 cost minutes on a CPU
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu; BACKEND=gloo; STEPS=(--warmup 1 --steps 2); PIPELINE_STEPS=10
+    ATTENTION=(--lengths 64 128 --batch 1 --heads 2 --reps 1)
 else
     DEVICE=cuda; BACKEND=nccl; STEPS=(); PIPELINE_STEPS=50
+    ATTENTION=(--lengths 512 1024 2048 --batch 8 --heads 12 --reps 3 --dtype bf16)
 fi
 CONFIG=${CONFIG:-$([ "$DRY_RUN" = 1 ] && echo configs/tiny.yaml || echo configs/base.yaml)}
 PRECISION=${PRECISION:-$([ "$DRY_RUN" = 1 ] && echo fp32 || echo bf16)}
@@ -49,6 +56,7 @@ START=$(date +%s)
 section() {
     local name=$1 limit=$(($2 * TIME_SCALE)) t0 rc=0
     shift 2
+    if [[ " $SECTIONS " != *" $name "* ]]; then echo "| $name | skipped | 0 s |" >>"$WORK/status.txt"; return; fi
     t0=$(date +%s)
     echo "== $name (limit ${limit}s)"
     timeout --kill-after=5 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1 || rc=$?
@@ -76,8 +84,9 @@ import torch.distributed as dist
 device, backend, site = sys.argv[1:]
 if device == "cuda":
     assert torch.cuda.is_available(), "CUDA not available to torch"
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
-          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, bf16 {torch.cuda.is_bf16_supported()}")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+          f"{torch.cuda.get_device_name()}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+          f"bf16 {torch.cuda.is_bf16_supported()}")
     assert torch.cuda.is_bf16_supported(), "no bf16 on this GPU"
 else:
     print(f"torch {torch.__version__} on the CPU (dry run)")
@@ -153,7 +162,8 @@ section startup 40 bash -c startup_check
 BENCH=(-m bench.throughput --config "$CONFIG" --precision "$PRECISION" --micro-batch "$MICRO_BATCH" "${STEPS[@]}")
 section throughput 130 "$PY" "${BENCH[@]}" --variants vanilla dense random factorized_random random+vanilla \
     --out "$WORK/throughput.md"
-section sdpa 80 "$PY" "${BENCH[@]}" --variants vanilla random+vanilla --sdpa both --out "$WORK/sdpa.md"
+section attention 80 "$PY" -m bench.attention --device "$DEVICE" "${ATTENTION[@]}" --mixers vanilla dense \
+    factorized_random dense+vanilla random+vanilla random
 section pipeline 110 bash -c pipeline
 
 {
@@ -166,11 +176,12 @@ section pipeline 110 bash -c pipeline
     echo
     grep -E "^torch |bf16 GEMM|all-reduce ok|kit imports" "$OUT_DIR/env.log" || true
     grep -E "^built " "$OUT_DIR/startup.log" || true
-    for part in throughput sdpa; do
-        echo
-        echo "## $part"
-        cat "$WORK/$part.md" 2>/dev/null || echo "(no table: see $part.log)"
-    done
+    echo
+    echo "## throughput"
+    cat "$WORK/throughput.md" 2>/dev/null || echo "(no table: see throughput.log)"
+    echo
+    echo "## attention"
+    grep -E "^attention core|^\|" "$OUT_DIR/attention.log" 2>/dev/null || echo "(no table: see attention.log)"
     echo
     echo "## pipeline ($PIPELINE_STEPS pretraining steps, export, fine-tuning + evaluation)"
     grep -E "step $PIPELINE_STEPS/$PIPELINE_STEPS|eval_loss" "$OUT_DIR/pipeline.log" | tail -n 3 || true

@@ -11,8 +11,9 @@ gets a fresh model and engine; the previous one is freed first and the peak-memo
 peak resident set, reset through /proc/self/clear_refs). 5 warm-up steps (allocator, kernels, compilation)
 are not timed; each measured step ends with a device synchronize. Random token ids, unpadded like span-corrupted
 batches (the data pipeline is benchmarked in bench/data.py). The peak is `log.peak_flops` if set, a data-sheet
-figure on known GPUs, or this CPU's measured matmul rate. `--sdpa both` times vanilla attention through SDPA
-and through materialised logits; `--out FILE` also writes the table as markdown.
+figure on known GPUs, or this CPU's measured matmul rate. `--sdpa both` times every variant with a fused attention
+form (vanilla, dense, factorized_random and their mixtures) through it and through materialised logits; rank 0
+prints each row as it finishes; `--out FILE` also writes the table as markdown.
 """
 from __future__ import annotations
 
@@ -78,8 +79,13 @@ def _peak_memory(device: torch.device) -> float:
     return t.item()
 
 
+def _fused_form(variant: str) -> bool:
+    """Whether a layer of `variant` has a fused attention form (a mixer with a Q' K'^T form, attention.py)."""
+    return bool({"vanilla", "dense", "factorized_random"} & set(variant.split("+")))
+
+
 def _label(variant: str, sdpa: bool | None) -> str:
-    if sdpa is None or "vanilla" not in variant:
+    if sdpa is None or not _fused_form(variant):
         return variant
     return f"{variant} ({'sdpa' if sdpa else 'materialised'})"
 
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--sdpa", choices=sorted(SDPA), default="auto",
-                        help="vanilla attention: auto (SDPA on GPU), on, off (materialised logits), both")
+                        help="fused attention: auto (as the trainer), on, off (materialised logits), both")
     parser.add_argument("--activation-checkpointing", default=None, help="none, full or selective (default: config)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer (train.compile)")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file (rank 0)")
@@ -125,9 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     per = "GPU" if dims.device.type == "cuda" else "process"
     columns = ("variant", "ms/step (median)", "IQR ms", f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak GiB")
     rows = []
+    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    if dims.rank == 0:  # the rows as they finish: a run cut short by a time limit keeps the rows done
+        print(header, line(columns), line(("---",) * len(columns)), sep="\n", flush=True)
     batch = _batch(micro, input_length, target_length, min(vocab, 32000))
     for variant, sdpa in itertools.product(args.variants, SDPA[args.sdpa]):
-        if sdpa is False and "vanilla" not in variant and args.sdpa == "both":
+        if sdpa is False and not _fused_form(variant) and args.sdpa == "both":
             continue  # the same layer as with sdpa on
         model_cfg = dataclasses.replace(cfg.model, encoder_attention=variant, decoder_attention=variant,
                                         vocab_size=vocab)
@@ -154,13 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((_label(variant, sdpa), f"{median * 1e3:.1f}", f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}",
                      f"{micro * (input_length + target_length) / median:.0f}", f"{flops / median / 1e12:.3g}",
                      f"{flops / median / peak:.1%}" if peak else "n/a", f"{memory / 2**30:.2f}"))
+        if dims.rank == 0:
+            print(line(rows[-1]), flush=True)
         del engine, model, batches
-    table = "\n".join("| " + " | ".join(r) + " |" for r in [columns, ("---",) * len(columns), *rows])
-    if dims.rank == 0:
-        print(header)
-        print(table, flush=True)
-        if args.out:
-            Path(args.out).write_text(f"{header}\n\n{table}\n")
+    table = "\n".join(line(r) for r in [columns, ("---",) * len(columns), *rows])
+    if dims.rank == 0 and args.out:
+        Path(args.out).write_text(f"{header}\n\n{table}\n")
     destroy_distributed()
 
 

@@ -1,0 +1,170 @@
+"""Time and peak memory of self-attention's core (pretrain/model/attention.py: logits, mixture, softmax, @ V; forward
++ backward) in its fused form (`_fused`: one `F.scaled_dot_product_attention` call, the kernel named by
+pretrain/model/sdpa.py) against its materialised form (`_mixed`: [b, heads, n, m] logits and an fp32 softmax), per
+mixer and length N (= n = m = model.max_length), with T5's relative bias (trained: a mask with a gradient) and
+without (`position_bias: none`), measured in one run; rows are printed as they finish. docs/model.md ("Fused
+attention") has the table.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.attention [--lengths 512 1024 2048 4096] [--batch 2] [--heads 8]
+        [--mixers dense dense+vanilla ...] [--reps 2 --warmup 1] [--device cuda --dtype bf16]
+
+Peak memory is what the step adds to what its inputs hold: on the CPU the resident set's peak (VmHWM, restarted
+before each step), on CUDA torch's allocator peak. The projections (Q, K, V, output) are outside the core and the
+same in both forms. `chosen` is the form the layer takes for training on that device (the fused one where it has one
+and, on the CPU, its mask needs no gradient); `kernel` the SDPA kernel its fused form names (pretrain/model/sdpa.py).
+Layers without a mixer of Q' K'^T form have no fused form (`-`).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import time
+from pathlib import Path
+
+import torch
+from megatron.core import ModelParallelConfig
+
+from pretrain.core.config import ModelConfig
+from pretrain.distributed.parallel import init_single_process
+from pretrain.model import sdpa
+from pretrain.model.attention import RelativePositionBias, SelfAttention
+from pretrain.model.mixers import parse_mixers
+
+MIXERS = ["vanilla", "dense", "factorized_random", "dense+vanilla", "factorized_random+vanilla", "random+vanilla",
+          "random", "factorized_dense"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _status(key: str) -> int:
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def _exact_cpu_peaks() -> None:
+    """Every allocation from 64 KiB on its own mapping, returned at free (glibc's mallopt M_MMAP_THRESHOLD, which
+    also stops glibc raising that threshold after frees): the resident set then follows the live tensors, where
+    heap reuse would hide a step's buffers."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # -3: M_MMAP_THRESHOLD
+
+
+def _peak_reset(device: torch.device) -> int:
+    """Start a peak measurement; returns the baseline bytes."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the resident set
+    return _status("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status("VmHWM")
+
+
+def _recording_kernels() -> list[str]:
+    """The names of the kernels the fused form asks for, in call order."""
+    names: list[str] = []
+    named = sdpa.sdpa_kernel
+    sdpa.sdpa_kernel = lambda backends: names.append(backends[0].name.lower()) or named(backends)
+    return names
+
+
+def core_step(attn: SelfAttention, form: str, inputs: dict, grad: torch.Tensor) -> None:
+    """One forward + backward of the layer's core in `form` (fused / materialised)."""
+    attn.zero_grad(set_to_none=True)
+    for t in inputs.values():
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    x, q, k, v, additive = (inputs[key] for key in ("x", "q", "k", "v", "additive"))
+    n = x.shape[1]
+    if form == "fused":
+        out = attn._fused(x, q, k, v, additive, None, 0, n, 0.0, mask_grad=attn._mask_grad(additive, None))
+    else:
+        out = attn._mixed(x, q, k, v, additive, None, 0, n, 0.0)
+    out.backward(grad)
+
+
+def measure(attn: SelfAttention, form: str, inputs: dict, grad: torch.Tensor) -> tuple[float, int]:
+    """(seconds, peak bytes above the inputs) of one core_step."""
+    device = grad.device
+    base = _peak_reset(device)
+    start = time.perf_counter()
+    core_step(attn, form, inputs, grad)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, max(0, _peak(device) - base)
+
+
+def _inputs(attn: SelfAttention, cfg: ModelConfig, batch: int, bias: bool, device, dtype) -> dict:
+    n, h, dkv = cfg.max_length, attn.heads, cfg.d_kv
+    shape = (batch, h, n, dkv)
+    leaf = lambda *s: torch.randn(*s, device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    additive = None
+    if bias:  # T5's bias as the stack passes it: gathered from the [heads, buckets] table, [1, heads, n, n]
+        table = RelativePositionBias(cfg, True, 0, 1).to(device, dtype)
+        additive = table(n, n).detach().requires_grad_()
+    vanilla = "vanilla" in attn.mixers
+    return {"x": leaf(batch, n, cfg.d_model), "q": leaf(*shape) if vanilla else None,
+            "k": leaf(*shape) if vanilla else None, "v": leaf(*shape), "additive": additive}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--mixers", nargs="+", default=MIXERS)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d-kv", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=2, help="least time of this many steps of each form, interleaved")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if device.type == "cpu":
+        _exact_cpu_peaks()
+    kernels = _recording_kernels()
+    init_single_process()
+    print(f"attention core fwd + bwd, {args.device} {args.dtype}, batch {args.batch}, {args.heads} heads of "
+          f"{args.d_kv}, {torch.get_num_threads()} threads; ratio = fused / materialised", flush=True)
+    print("| mixer | N | bias | materialised s | MiB | fused s | MiB | time ratio | memory ratio | chosen | kernel |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for spec in args.mixers:
+        for n in args.lengths:
+            cfg = ModelConfig(d_model=args.heads * args.d_kv, d_kv=args.d_kv, num_heads=args.heads, max_length=n,
+                              factorized_k=8, mixture_per_head=False)
+            torch.manual_seed(0)
+            attn = SelfAttention(cfg, parse_mixers(spec), ModelParallelConfig(use_cpu_initialization=True), 0, 1)
+            attn = attn.to(device, dtype).train()
+            for bias in (False, True):
+                inputs = _inputs(attn, cfg, args.batch, bias, device, dtype)
+                grad = torch.randn(args.batch, attn.heads, n, args.d_kv, device=device, dtype=dtype)
+                forms = ("materialised", "fused") if attn.dot else ("materialised",)
+                for _ in range(args.warmup):
+                    for form in forms:
+                        core_step(attn, form, inputs, grad)
+                runs = {form: [] for form in forms}
+                for _ in range(args.reps):  # interleaved: the machine's load changes both forms alike
+                    for form in forms:
+                        runs[form].append(measure(attn, form, inputs, grad))
+                results = {form: (min(t for t, _ in r), max(m for _, m in r)) for form, r in runs.items()}
+                chosen = "fused" if attn.dot and (device.type == "cuda" or not attn._mask_grad(inputs["additive"],
+                                                                                                None)) else "materialised"
+                (mt, mm), (ft, fm) = results["materialised"], results.get("fused", (float("nan"), 0))
+                cells = [f"{mt:.3f}", f"{mm / 2**20:.0f}"] + (
+                    [f"{ft:.3f}", f"{fm / 2**20:.0f}", f"{ft / mt:.2f}", f"{fm / max(mm, 1):.2f}"] if attn.dot else
+                    ["-"] * 4)
+                kernel = kernels[-1] if attn.dot else "-"
+                print(f"| {spec} | {n} | {'yes' if bias else 'no'} | " + " | ".join(cells) + f" | {chosen} | {kernel} |",
+                      flush=True)
+                del inputs, grad
+            del attn
+
+
+if __name__ == "__main__":
+    main()
