@@ -340,6 +340,25 @@ def test_a_resume_with_another_precision_or_zero_stage_is_refused_where_deepspee
     assert str(e.value).startswith(f"cannot resume {path} {refusal}")
 
 
+def test_another_global_batch_on_resume_is_said_in_one_line(tmp_path, caplog):
+    # before: a resume at another global batch (8 -> 16) continued without a word
+    from pretrain.core.config import Config, to_yaml
+    from pretrain.distributed.parallel import ParallelDims
+    from pretrain.runtime.resume import prepare_resume
+
+    path = _checkpoint(tmp_path / "run" / "checkpoints", 40)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 40, "tokens_seen": 0, "skipped_steps": 0, "tp": 1,
+                                                         "dp": 1}))
+    (path / "config.yaml").write_text(to_yaml(Config()))  # global batch 8
+    dims = ParallelDims(world=1, rank=0, local_rank=0, tp=1, dp=1, tp_rank=0, dp_rank=0, device=None)
+    for batch in (8, 16):
+        assert not prepare_resume(path, ModelConfig(), RunInputs(Path("spiece.model"), "", ()), dims, timeout_s=60,
+                                  precision="fp32", zero_stage=1, global_batch=batch).universal
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.global_batch")]
+    assert said == ["train.global_batch 8 -> 16: step_40 was trained with 8 sequences a step, the steps from 41 on "
+                    "take 16 (the LR schedule counts steps; the data goes on with its next example)"]
+
+
 def test_a_conversion_too_long_for_the_timeout_is_refused_naming_reshard(tmp_path):
     from pretrain.core.config import Config, to_yaml
     from pretrain.distributed.parallel import ParallelDims

@@ -153,7 +153,7 @@ def run_job(job: Job, dims: ParallelDims) -> int:
         # 1. Checkpoint to resume: decided before the engine, which must know whether it loads a universal one;
         #    the newest intact one (all ranks share the checksum reads), refused if made with other inputs ---------
         plan = plan_resume(cfg.checkpoint, root, job.model_cfg, job.inputs, dims, cfg.parallel.timeout_s,
-                           precision=cfg.precision, zero_stage=cfg.zero.stage)
+                           precision=cfg.precision, zero_stage=cfg.zero.stage, global_batch=cfg.train.global_batch)
 
         # 2. Model (this rank's TP shard), then the engine, whose bf16/fp16 master weights start from the job's
         #    fp32 weights, not from the cast module; a resume restores its own ------------------------------------

@@ -45,13 +45,13 @@ CONVERT_BYTES_PER_S = 20e6
 
 
 def plan_resume(cfg: CheckpointConfig, root: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims,
-                timeout_s: float, *, precision: str, zero_stage: int) -> ResumePlan | None:
+                timeout_s: float, *, precision: str, zero_stage: int, global_batch: int) -> ResumePlan | None:
     """The checkpoint this run continues from (`find_resume`), checked against the run and converted where the
     layout changed (`prepare_resume`); None for a fresh start. Every rank calls it, before the engine is built
     (the engine must know whether it loads a universal checkpoint)."""
     path = find_resume(cfg, root, dims.rank, dims.world)
-    return prepare_resume(path, model_cfg, inputs, dims, timeout_s, precision=precision,
-                          zero_stage=zero_stage) if path else None
+    return prepare_resume(path, model_cfg, inputs, dims, timeout_s, precision=precision, zero_stage=zero_stage,
+                          global_batch=global_batch) if path else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -140,15 +140,21 @@ def _check_universal_stages(path: Path, state: dict, changes: list[str], zero_st
 
 
 def prepare_resume(path: Path, model_cfg: ModelConfig, inputs: RunInputs, dims: ParallelDims, timeout_s: float, *,
-                   precision: str, zero_stage: int) -> ResumePlan:
+                   precision: str, zero_stage: int, global_batch: int | None = None) -> ResumePlan:
     """Validate the checkpoint against this run. On another layout, precision or ZeRO stage, whose files DeepSpeed
     cannot load directly (fp32 -> bf16 looks for files the fp32 run never wrote; 1 -> 3 and 1 -> 0 fail inside
     DeepSpeed), convert it to a universal one (rank 0) when that finishes well inside the process-group timeout
-    (the other ranks wait at a barrier); else, or where DeepSpeed cannot carry the change, refuse in one line."""
+    (the other ranks wait at a barrier); else, or where DeepSpeed cannot carry the change, refuse in one line.
+    Another `global_batch` than the checkpoint's continues, said in one line."""
     state = json.loads((path / "trainer_state.json").read_text())
-    saved_model = yaml.safe_load((path / "config.yaml").read_text())["model"]
-    check_same_model(saved_model, model_cfg, path)
+    saved = yaml.safe_load((path / "config.yaml").read_text())
+    check_same_model(saved["model"], model_cfg, path)
     inputs.check_resume(path)
+    saved_batch = saved.get("train", {}).get("global_batch", global_batch)
+    if saved_batch != global_batch and global_batch is not None and dims.rank == 0:
+        log.warning("train.global_batch %d -> %d: %s was trained with %d sequences a step, the steps from %d on take "
+                    "%d (the LR schedule counts steps; the data goes on with its next example)", saved_batch,
+                    global_batch, path.name, saved_batch, state["step"] + 1, global_batch)
     changes = _changes(state, dims, precision, zero_stage)
     if not changes:
         return ResumePlan(path, state, universal=False)
