@@ -55,6 +55,21 @@ def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path, case):
     assert str(e.value).endswith("; choose another run.dir")
 
 
+def test_a_vocabulary_far_above_the_tokenizer_is_one_line_before_allocating():
+    # before: model.vocab_size=100000000 with a 2,100-id tokenizer allocated 25.6 GB (a traceback, or an OOM kill);
+    # with_vocab runs before the model is built in both jobs (below the tokenizer: test_faults.py)
+    from pretrain.core.config import ModelConfig
+    from pretrain.model import with_vocab
+
+    assert with_vocab(ModelConfig(vocab_size=32128), 32100).vocab_size == 32128  # T5's padded rows
+    assert with_vocab(ModelConfig(vocab_size=4200), 2100).vocab_size == 4200
+    with pytest.raises(UsageError) as e:
+        with_vocab(ModelConfig(vocab_size=100_000_000), 2100)
+    assert str(e.value) == ("model.vocab_size (100000000) is more than 2 x the tokenizer's 2100 ids: the rows beyond "
+                            "them are never trained; set it to 0 (the tokenizer's, padded by the model itself) or at "
+                            "most 4200")
+
+
 def test_finetuning_without_training_examples_is_one_line_under_torchrun(tmp_path):
     (tmp_path / "SST-2").mkdir()
     (tmp_path / "SST-2" / "train.tsv").write_text("sentence\tlabel\n")  # the header, no example

@@ -105,7 +105,7 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 0  # token ids (0: the tokenizer's); embedding rows are padded to a multiple of 128 x TP
+    vocab_size: int = 0  # token ids (0: the tokenizer's; else its ids to twice them); rows padded to 128 x TP
     d_model: int = 512  # hidden width of every layer
     d_ff: int = 1024  # gated-GELU hidden width
     d_kv: int = 64  # per-head width

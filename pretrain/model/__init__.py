@@ -25,14 +25,23 @@ __all__ = [
 ]
 
 
+VOCAB_ROWS_PER_ID = 2  # model.vocab_size may exceed the tokenizer's ids (T5: 32128 rows for 32100), at most this many times
+
+
 def with_vocab(cfg: ModelConfig, num_ids: int) -> ModelConfig:
-    """`cfg` with model.vocab_size = the tokenizer's `num_ids` when it is 0; a smaller set value is refused in one
-    line (it runs before the job's other checks, which turn their ValueErrors into one)."""
+    """`cfg` with model.vocab_size = the tokenizer's `num_ids` when it is 0; a set value below the ids, or above
+    VOCAB_ROWS_PER_ID times them (rows no token id reaches, never trained: 1e8 for a 2,100-id tokenizer was a
+    25.6 GB allocation), is refused in one line before anything is allocated (it runs before the job's other
+    checks)."""
     if cfg.vocab_size == 0:
         return dataclasses.replace(cfg, vocab_size=num_ids)
     if cfg.vocab_size < num_ids:
         raise UsageError(f"model.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's {num_ids} ids; "
                          f"set it to 0 (the tokenizer's) or at least {num_ids}")
+    if cfg.vocab_size > VOCAB_ROWS_PER_ID * num_ids:
+        raise UsageError(f"model.vocab_size ({cfg.vocab_size}) is more than {VOCAB_ROWS_PER_ID} x the tokenizer's "
+                         f"{num_ids} ids: the rows beyond them are never trained; set it to 0 (the tokenizer's, "
+                         f"padded by the model itself) or at most {VOCAB_ROWS_PER_ID * num_ids}")
     return cfg
 
 
