@@ -19,7 +19,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pretrain.core.config import ModelConfig
 from pretrain.model import build_local_model
 from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.pictures import attention_maps, heatmap, mixture_grids, synthesizer_images, synthesizer_matrices
+from pretrain.runtime.pictures import (
+    attention_maps,
+    mixture_grids,
+    synthesizer_figures,
+    synthesizer_images,
+    synthesizer_matrices,
+)
 
 TINY = ModelConfig(vocab_size=256, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=1,
                    max_length=16, relative_attention_num_buckets=8, relative_attention_max_distance=16)
@@ -84,10 +90,28 @@ def test_tensorboard_images_text_and_tokens_axis_read_back(tmp_path: Path) -> No
         (event,) = events.Images(tag)
         assert event.step == 10
         np.testing.assert_array_equal(_decode(event.encoded_image_string), image)  # PNG is lossless
-    # the first head's tile of layer 0 is the heatmap of R on the layer's colour scale
+    # drawn as a person reads them: layer 0's R as one labelled heatmap per head, exactly R, on the layer's one colour
+    # scale with its colour bar; the mixture weights (learned-looking: each layer's its own) as bars of exactly the
+    # softmax weights, per head, on 0..1
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".attn.mix"):
+                p.copy_(torch.randn_like(p))
+    figures = synthesizer_figures(model)
     r = synthesizer_matrices(model.state_dict())["encoder.layers.0/random"]
-    tile = images["synthesizer/encoder.layers.0/random"][:, : TINY.max_length]
-    np.testing.assert_array_equal(tile, heatmap(r[0].numpy(), float(r.min()), float(r.max())))
+    fig = figures["synthesizer/encoder.layers.0/random"]
+    heads = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in heads] == [f"head {h}" for h in range(TINY.num_heads)]
+    for h, ax in enumerate(heads):
+        np.testing.assert_array_equal(ax.images[0].get_array(), r[h].numpy())
+        assert ax.images[0].get_clim() == (float(r.min()), float(r.max()))
+    assert [ax.get_ylabel() for ax in fig.axes if not ax.images] == ["logit"]  # the colour bar
+    assert fig.get_suptitle() == "encoder.layers.0/random: learned logits per head"
+    bars = figures["mixture_heads/encoder/random"].axes[0]
+    np.testing.assert_allclose([[p.get_height() for p in c] for c in bars.containers],
+                               mixture_grids(model)["encoder/random"], rtol=1e-6)
+    assert [t.get_text() for t in bars.get_xticklabels()] == [f"head {h}" for h in range(TINY.num_heads)]
+    assert bars.get_ylim() == (0, 1) and bars.get_ylabel() == "mixture weight"
     assert [(s.step, s.value) for s in events.Scalars("by_tokens/loss")] == [(640, 3.5), (1280, 2.5)]
     assert [(s.step, s.value) for s in events.Scalars("loss")] == [(5, 3.5), (10, 2.5)]
     (text,) = events.Tensors("config/text_summary")

@@ -4,7 +4,8 @@ Pure functions of a model or a state dict (no files, no process groups):
 - `synthesizer_matrices(state)`: the learned Random / Fixed Random / Factorized Random logit matrices per
   layer, [heads, N, N] (Factorized Random as R1 R2^T), from our names or the export's HF names;
 - `mixture_grids(model)`: the softmax mixture weights as a [layers, heads] grid per stack and mixer;
-- `synthesizer_images(model)`: both as HWC uint8 heatmaps for `MetricsLogger.write_images`;
+- `synthesizer_images(model)`: both as labelled figures (a heatmap per head with the layer's colour bar; bars
+  per head and layer) rendered to HWC uint8 for `MetricsLogger.write_images`;
 - `attention_maps(model, input_ids)`: the first encoder layer's attention probabilities per mixer and mixed,
   recomputed from the layer's own weights (the paper's Dense-vs-vanilla picture).
 The matplotlib figures of the study and of `pretrain.plot` live here too (`plot_*`, `plot_intervals` for the
@@ -54,9 +55,11 @@ def plot_curves(series: Mapping[str, Sequence[tuple[float, float]]], path: Path,
 
 
 def plot_panels(runs: Mapping[str, Sequence[dict]], metrics: Sequence[str], path: Path, x: str = "step") -> Path:
-    """One panel per metric, one line per run ({label: metrics.jsonl records}), against `x` (step, tokens_seen)."""
+    """One panel per metric, one line per run ({label: metrics.jsonl records}), against `x` (step, tokens_seen),
+    under a title naming what is plotted and for which runs."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.8 * len(metrics)), squeeze=False, sharex=True)
+    fig.suptitle(f"{', '.join(metrics)} against {x}: {', '.join(runs)}", fontsize=10)
     for ax, metric in zip(axes[:, 0], metrics):
         for label, records in runs.items():
             points = [(r[x], r[metric]) for r in records if metric in r and x in r]

@@ -1,10 +1,11 @@
 """Pictures of a model's learned attention for TensorBoard and the study: the input-independent synthesizer matrices
-(each mixer with a `Mixer.matrix`: Random, Fixed Random, Factorized Random as R1 R2^T) per layer and head,
-the mixture weights per layer and head, and attention maps on an input, as arrays (no plotting library)."""
+(each mixer with a `Mixer.matrix`: Random, Fixed Random, Factorized Random as R1 R2^T) per layer and head as
+labelled heatmaps with a colour bar, the mixture weights per layer and head as labelled bars (matplotlib figures
+rendered to arrays), and attention maps on an input."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -42,37 +43,74 @@ def mixture_grids(model) -> dict[str, np.ndarray]:
     return {tag: np.stack(rows) for tag, rows in grids.items()}
 
 
-def heatmap(matrix: np.ndarray, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
-    """A 2-D array as an HWC uint8 RGB image (viridis, min..max of the array unless given)."""
-    from matplotlib import colormaps
+def matrix_figure(tag: str, r: torch.Tensor):
+    """A matplotlib Figure of one layer's learned synthesizer logits [heads, N, N]: a heatmap per head (labelled,
+    query rows x key columns), one colour scale for the layer, and its colour bar."""
+    from matplotlib.figure import Figure
 
-    matrix = np.asarray(matrix, dtype=np.float64)
-    lo = matrix.min() if vmin is None else vmin
-    hi = matrix.max() if vmax is None else vmax
-    scaled = (matrix - lo) / (hi - lo) if hi > lo else np.zeros_like(matrix)
-    return (colormaps["viridis"](np.clip(scaled, 0, 1))[..., :3] * 255).astype(np.uint8)  # [H, W, 3]
+    heads, lo, hi = r.shape[0], float(r.min()), float(r.max())
+    cols = min(heads, 4)
+    rows = -(-heads // cols)
+    fig = Figure(figsize=(2.4 * cols + 0.8, 2.4 * rows + 0.5), dpi=80, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.set_axis_off()
+            continue
+        shown = ax.imshow(r[h].cpu().numpy(), cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=9)
+        if h // cols == rows - 1:
+            ax.set_xlabel("key position", fontsize=8)
+        if h % cols == 0:
+            ax.set_ylabel("query position", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.colorbar(shown, ax=axes, shrink=0.8, label="logit")
+    fig.suptitle(f"{tag}: learned logits per head", fontsize=10)
+    return fig
 
 
-def _tile(images: Sequence[np.ndarray], gap: int = 2) -> np.ndarray:
-    """Images of one height side by side with a white gap (one tile per head)."""
-    h = images[0].shape[0]
-    spacer = np.full((h, gap, 3), 255, dtype=np.uint8)
-    parts = [p for img in images for p in (img, spacer)][:-1]
-    return np.concatenate(parts, axis=1)
+def mixture_figure(tag: str, grid: np.ndarray):
+    """A matplotlib Figure of one mixer's softmax weight per layer and head ([layers, heads], 0..1): grouped bars,
+    one group per head and one bar per layer."""
+    from matplotlib.figure import Figure
+
+    layers, heads = grid.shape
+    fig = Figure(figsize=(max(4.0, 0.5 * heads * layers + 1.5), 3.0), dpi=80, layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / layers
+    for layer in range(layers):
+        ax.bar(np.arange(heads) + (layer - (layers - 1) / 2) * width, grid[layer], width, label=f"layer {layer}")
+    ax.set_xticks(np.arange(heads), [f"head {h}" for h in range(heads)], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("mixture weight")
+    ax.legend(fontsize=7, ncols=min(layers, 4))
+    ax.set_title(f"{tag}: softmax weight of this mixer", fontsize=10)
+    return fig
+
+
+def rendered(fig) -> np.ndarray:
+    """A Figure as an HWC uint8 RGB image (Agg, no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def synthesizer_figures(model) -> dict[str, object]:
+    """{tag: Figure} of this rank's learned synthesizer matrices (`synthesizer/<layer>/<mixer>`) and each mixer's
+    mixture weights (`mixture_heads/<stack>/<mixer>`). Call on every rank (per-head mixture weights are gathered
+    over TP); ZeRO-3 needs the parameters gathered."""
+    matrices = synthesizer_matrices(model.state_dict())
+    figures = {f"synthesizer/{tag}": matrix_figure(tag, r) for tag, r in matrices.items()}
+    for tag, grid in mixture_grids(model).items():
+        figures[f"mixture_heads/{tag}"] = mixture_figure(tag, grid)
+    return figures
 
 
 def synthesizer_images(model) -> dict[str, np.ndarray]:
-    """TensorBoard images ({tag: HWC uint8}) of this rank's learned random matrices (heads side by side, one
-    colour scale per layer) and of each mixer's mixture weights as a layer x head grid (scale 0..1).
-    Call on every rank (per-head mixture weights are gathered over TP); ZeRO-3 needs the parameters gathered."""
-    images = {}
-    for tag, r in synthesizer_matrices(model.state_dict()).items():
-        lo, hi = float(r.min()), float(r.max())
-        images[f"synthesizer/{tag}"] = _tile([heatmap(h.cpu().numpy(), lo, hi) for h in r])
-    for tag, grid in mixture_grids(model).items():
-        # a few pixels per cell: a 2 x 4 grid would be invisible at one pixel each
-        images[f"mixture_heads/{tag}"] = np.kron(heatmap(grid, 0.0, 1.0), np.ones((16, 16, 1), dtype=np.uint8))
-    return images
+    """TensorBoard images ({tag: HWC uint8}) of `synthesizer_figures`."""
+    return {tag: rendered(fig) for tag, fig in synthesizer_figures(model).items()}
 
 
 @torch.no_grad()
