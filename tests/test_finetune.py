@@ -141,15 +141,6 @@ def _python(*args):
     return done.stdout
 
 
-def _finetune(rank, world, overrides):
-    """configs/finetune/polarity.yaml with `overrides`, in this rank; its exit code."""
-    from pretrain.core.config import load_config
-    from pretrain.core.finetune_config import FinetuneConfig
-    from pretrain.finetune import finetune
-
-    return finetune(load_config(FinetuneConfig, "configs/finetune/polarity.yaml", overrides))
-
-
 def _finetune_chain(rank, world, runs):
     """In one process, fine-tune every (overrides, fault) in turn. Faults: ("sigterm", n) sends SIGTERM to this
     process after the run's n-th step; "sigterm_eval" / "sigkill_eval" send SIGTERM / SIGKILL to it as the run's
@@ -280,24 +271,16 @@ def test_a_pretrained_export_finetunes_on_real_polarity_data(tmp_path, shards, p
     for metric in ("accuracy", "accuracy_rank"):
         # the configs' lr auto at d_model 64 learns the task, not only the label words (a fixed 1e-4 stayed at chance)
         assert results["sst2"][metric] > majority, (results, majority)
-    # the reference: the same fine-tuning (data, seed, schedule) from a random initialisation of the same model, its
-    # first 25 steps (one log line), in a process forked from the session's forkserver (the same job without ~10 s
-    # of CPU of start-up imports). Fine-tuning from the export starts far lower: its first line
-    # (the mean loss of steps 1-25) 3.6 nats against 7.4 (measured), as pretraining on the text taught the decoder the
-    # words; a fine-tuning that did not start from the exported weights starts where a random one does. The final
-    # accuracies are not compared: at d_model 64 fine-tuned scores from the two starts are within noise of each other,
-    # either order, as the CPU study measured (docs/study.md, "Transfer on the CPU"; here 0.610 vs 0.636 on one
-    # machine, the reverse on another)
-    model_cfg = export_config(export_dir)
-    torch.manual_seed(TINY.run.seed)
-    random_init = write_export(build_local_model(model_cfg), Path(shards.tokenizer), tmp_path / "random_init")
-    assert run_distributed(_finetune, 1, [f"init={random_init}", f"data.dir={polarity_dir}",
-                                          f"run.dir={tmp_path / 'from_random'}", one_micro_batch,
-                                          "train.exit_after=25", "checkpoint.every=0"]) == [0]
-    first_loss = [json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-                  for folder in (run, tmp_path / "from_random")]
-    assert first_loss[0] < first_loss[1] - 2.0, first_loss
+    # No reference run from a random initialisation: its first loss line (the mean of steps 1-25) was 7.4 nats against
+    # the export's 3.6 only while the untied LM head started at std 1.0 (a random model's first loss ~25 nats); with
+    # Mesh TF's scale a random start reads 3.9 and the export 3.6 or 4.3 (two measurements, the code changing in
+    # between): no sign of where fine-tuning started. That it starts from the export's weights is
+    # test_finetuning_starts_from_the_export_at_tp2's (logits equal to the export's); at d_model 64 fine-tuned scores
+    # from the two starts are within noise of each other (docs/study.md, "Transfer on the CPU")
     assert "| sst2 |" in stdout and (run / "results.md").read_text().startswith("| task |")
+    # what make demo prints: the scores beside the majority-class baseline and chance (tests/test_baselines.py)
+    assert f"\n| sst2: majority class (positive) | {100 * majority:.2f} | {100 * majority:.2f} |\n" in stdout, stdout
+    assert "\n| sst2: chance (2 classes) | 50.00 | 50.00 |\n" in stdout, stdout
     lines = (run / "submission" / "SST-2.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 501 and {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"}
     events = EventAccumulator(str(run / "tensorboard")).Reload()
