@@ -7,12 +7,15 @@ STAMP := .venv/.installed
 setup: $(STAMP)
 
 $(STAMP): requirements.txt
+	@echo "make setup: creating .venv and installing the pinned requirements.txt into it (about 2 minutes, once)"
 	test -x $(PY) || python3 -m venv .venv
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
+	@echo "make setup: compiling the installed packages' bytecode on every core"
 	@# the bytecode on every core (pip compiles on one: make setup took 155 s on 2 cores, this way 119 s). Like pip, it skips
 	@# what does not compile (one torch test file in Python 3.12 syntax), hence the `|| true`
 	$(PY) -m compileall -qq -j 0 .venv/lib > /dev/null || true
 	touch $(STAMP)
+	@echo "make setup: done; enter the venv with: source .venv/bin/activate"
 
 # two pytest-xdist workers (CI has 2 cores); tests/scheduling.py says which tests share a worker, longest first
 TEST_WORKERS ?= 2

@@ -1,11 +1,17 @@
 """Every pretraining command in README.md and docs/*.md (`python -m launch.run ... -m pretrain.train` or plain
 `torchrun ...`, `sbatch ... slurm/pretrain.sbatch`, `slurm/pipeline.sh`) passes the planner at its shape: nodes from
 `--nodes`, 8 x 80 GB GPUs per node for SLURM jobs, `--nproc-per-node` GPUs for the launcher, the command's config and overrides. The
-other SLURM scripts (tokenizer, data, export, fine-tuning) start no pretraining and are not planned."""
+other SLURM scripts (tokenizer, data, export, fine-tuning) start no pretraining and are not planned.
+
+README's own `python -m ...` commands run as a newcomer runs them: in a shell that entered the venv with the
+README's `source .venv/bin/activate` (the system python lacks the packages), each module answers `--help`, and
+every flag and config key a command uses is one that module lists."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -100,3 +106,43 @@ def test_docs_command_passes_the_planner(where, args, capsys):
     code = plan(args)
     err = capsys.readouterr().err
     assert code == 0, f"{where}\n  planner {' '.join(args)}\n  {err}"
+
+
+ACTIVATE = "source .venv/bin/activate"
+
+
+def _readme_python_commands() -> dict[str, set[str]]:
+    """{module: the flags and config keys its README commands use}, launch.run's inner module included."""
+    used: dict[str, set[str]] = {}
+    for line in _code_lines((REPO / "README.md").read_text()):
+        if not line.startswith("python -m "):
+            continue
+        words = shlex.split(line)
+        starts = [i + 1 for i, w in enumerate(words) if w == "-m"]
+        for begin, end in zip(starts, [*starts[1:], len(words) + 1]):
+            module, args = words[begin], words[begin + 1 : end - 1]
+            used.setdefault(module, set()).update(
+                w.split("=", 1)[0] for w in args if w.startswith("--") or re.fullmatch(r"[a-z_.]+=\S*", w))
+    return used
+
+
+def test_readme_commands_run_in_the_venv_as_written(tmp_path):
+    lines = _code_lines((REPO / "README.md").read_text())
+    assert ACTIVATE in lines
+    assert lines.index(ACTIVATE) < min(i for i, line in enumerate(lines) if line.startswith("python "))
+    used = _readme_python_commands()
+    assert {"pretrain.data.fetch", "tokenizer.train", "pretrain.data.prepare", "launch.run", "pretrain.train",
+            "pretrain.export", "pretrain.finetune"} <= set(used)
+    # a shell outside any venv: PATH without .venv/bin, no VIRTUAL_ENV; `python` is whatever activate makes it
+    venv_bin = str(REPO / ".venv" / "bin")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", os.defpath).split(os.pathsep) if p != venv_bin)
+    script = ["set -e", ACTIVATE, f"python -c 'import sys; print(sys.prefix)' > {tmp_path / 'prefix'}"]
+    script += [f"python -m {m} --help > {tmp_path / m}.txt" for m in sorted(used)]
+    done = subprocess.run(["bash", "-c", "\n".join(script)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Path((tmp_path / "prefix").read_text().strip()).resolve() == (REPO / ".venv").resolve()
+    for module, words in used.items():
+        listed = (tmp_path / f"{module}.txt").read_text()
+        missing = sorted(w for w in words if w not in listed)
+        assert not missing, f"README's python -m {module} uses {missing}, which its --help does not list"
