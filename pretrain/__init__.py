@@ -13,7 +13,8 @@ How megatron-core and DeepSpeed are imported, set here before any of our modules
   those imports run with `torch.compile` deferred (a decorated function is compiled at its first call, as
   `torch.compile` itself does: the same functions, compiled when used) and, for megatron-core, wandb reading as
   absent; both are restored when the import ends, and megatron's `jit_fuser` is set back to `torch.compile`.
-- DeepSpeed's notice of the accelerator it picked goes to DEBUG (`_DebugLevel`).
+- DeepSpeed's notice of the accelerator it picked goes to DEBUG (`_DebugLevel`); torch's deprecation of the
+  collective DeepSpeed's ZeRO gathers with is filtered.
 """
 import contextlib
 import functools
@@ -24,6 +25,10 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+# torch 2.11 deprecates the collective DeepSpeed's ZeRO optimizer gathers its partitions with (DeepSpeed's to change, not a
+# user's): a FutureWarning per rank at each gather of a job
+warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
 
 
 class _DebugLevel(logging.Filter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import warnings
 from pathlib import Path
 from typing import Iterator, Protocol, TypeVar
 
@@ -87,6 +88,9 @@ def init_job(cfg: C) -> tuple[ParallelDims, C]:
     rendezvous (every rank stops here), and `cfg` with its precision resolved and checked against the device."""
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
+    if dims.device.type != "cuda":  # advice on CUDA streams, from every TP rank's first backward: nothing to act on
+        warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended to set the "
+                                "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
     stop_if_preempted(dims.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
     check_precision(cfg.precision, cfg.parallel.backend, dims.device)
