@@ -12,7 +12,9 @@ first; a change DeepSpeed cannot carry (ZeRO 0 on either side, ZeRO 3 <-> 1/2) i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import shutil
@@ -183,10 +185,15 @@ def convert_to_universal(path: Path, output: Path, workers: int = 1) -> None:
     check_complete(path)
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    ds_to_universal(SimpleNamespace(
-        input_folder=str(path), output_folder=str(tmp), num_extract_workers=workers, num_merge_workers=workers,
-        keep_temp_folder=False, strict=True, inject_missing_state=False,
-    ))
+    said = io.StringIO()  # its prints and tqdm bars (stdout and stderr): to the log at DEBUG, not the job's output
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        ds_to_universal(SimpleNamespace(
+            input_folder=str(path), output_folder=str(tmp), num_extract_workers=workers, num_merge_workers=workers,
+            keep_temp_folder=False, strict=True, inject_missing_state=False,
+        ))
+    for line in said.getvalue().replace("\r", "\n").splitlines():
+        if line.strip():
+            log.debug("ds_to_universal: %s", line.strip())
     write_marker(tmp, describe(tmp, sorted(p for p in tmp.rglob("*") if p.is_file())))
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)  # a half-converted folder is never mistaken for a finished one
