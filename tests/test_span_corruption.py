@@ -149,3 +149,24 @@ def test_the_bounded_search_finds_the_longest_chunk_near_density_1():
     # the search stops at input_length / (1 - density) + 2, past every raw length whose inputs fit
     raw, _ = input_and_target_lengths(64, 0.99, 3.0)
     assert raw == max(t for t in range(1, 64 * 100) if t5_lengths(t, 0.99, 3.0)[0] <= 64) == 186
+
+
+@pytest.mark.parametrize("input_length, mean", [(64, 50.0), (64, 100.0), (512, 100.0)] + [(n, 3.0) for n in range(3, 10)])
+def test_long_spans_and_short_inputs_give_the_lengths_the_loader_pads_to(input_length, mean):
+    # long spans round to 0 spans in T5's length formula while the mask always draws one; inputs of 2-9 tokens cut
+    # chunks of 1-2: the lengths and the corrupted chunks disagreed (a broadcast error in the loader's workers)
+    raw, targets = input_and_target_lengths(input_length, 0.15, mean)
+    chunks = np.arange(3, 3 + 8 * raw, dtype=np.int32).reshape(8, raw) % 900 + 3
+    inputs, labels = span_corrupt(chunks, np.random.default_rng(0), vocab_size=1100, eos_id=1,
+                                  mean_noise_span_length=mean)
+    assert raw >= 2 and inputs.shape[1] <= input_length and labels.shape == (8, targets)
+
+
+def test_an_input_length_no_chunk_fits_is_one_line_when_the_config_is_read(capsys):
+    from pretrain.plan import main as plan
+
+    tiny = "configs/tiny.yaml"
+    assert plan(["--config", tiny, "--nodes", "1", "--gpus-per-node", "1", "data.input_length=2"]) == 2
+    assert capsys.readouterr().err.strip() == "pretrain.plan: data.input_length (2) must be >= 3"
+    assert plan(["--config", tiny, "--nodes", "1", "--gpus-per-node", "1", "data.input_length=3",
+                 "data.mean_noise_span_length=100"]) == 0

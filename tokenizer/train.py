@@ -76,8 +76,16 @@ def train(
 ) -> Path:
     """Train and write output/spiece.model; returns its path. sentencepiece's own failures are RuntimeErrors
     (`advice` words them); the reader's (a UsageError naming a file) pass through its iterator as they are."""
-    output.mkdir(parents=True, exist_ok=True)
     bad: Counter = Counter()
+    probe = sample_lines(files, max_bytes, seed, bad, layout)
+    found = next(probe, None)
+    probe.close()
+    if found is None:  # sentencepiece would fail inside with `INTERNAL ... [!sentences_.empty()]`
+        skipped = ", ".join(f"{k}={v}" for k, v in bad.items() if v) or "every line empty"
+        raise UsageError(f"no text to train on in {len(files)} input file(s) ({files[0]}, ...): {skipped}; check "
+                         "--input, --format and --text-field")
+    output.mkdir(parents=True, exist_ok=True)
+    bad.clear()
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(

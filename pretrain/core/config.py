@@ -217,6 +217,9 @@ class SourceConfig:
                               "examples (leave the source out to train without it)")
 
 
+MIN_INPUT_LENGTH = 3  # data.input_length: a chunk of 2 tokens (the least span corruption splits) corrupts to 3
+
+
 @dataclass(frozen=True)
 class DataConfig:
     train: str = ""  # shards: a directory, glob, brace pattern or webdataset URL
@@ -228,14 +231,15 @@ class DataConfig:
     noise_density: float = 0.15  # fraction of input tokens masked by span corruption, in (0, 1)
     mean_noise_span_length: float = 3.0  # mean length of a masked span, at least 1
     workers: int = 1  # DataLoader worker processes per rank (at most one per data stream the rank owns)
-    streams: int = 0  # streams the train shards are dealt to (0: min(shards of each source, 64)); DP must divide it
+    streams: int = 0  # lanes the train data is dealt to (0: 64, whatever the shards); every DP size must divide it
     shuffle_buffer: int = 1000  # chunks held by the seeded shuffle buffer
     max_damaged_share: float = 0.2  # the run stops once damaged shards lost more than this share of data.train
     http_timeout_s: float = 60.0  # http(s) shards: seconds per connection attempt and per read
     http_retries: int = 6  # http(s) shards: failed attempts retried in a row, with backoff 1, 2, 4 ... 60 s
 
     def __post_init__(self) -> None:
-        check_at_least("data", self, {"workers": 0, "http_retries": 0, "shuffle_buffer": 1})
+        check_at_least("data", self, {"workers": 0, "http_retries": 0, "shuffle_buffer": 1, "streams": 0,
+                                      "input_length": MIN_INPUT_LENGTH})
         if not 0 < self.noise_density < 1:  # also NaN; span_corruption's length search needs it
             raise ConfigError(f"data.noise_density ({self.noise_density}) must be > 0 and < 1: the share of each "
                               "chunk's tokens that span corruption masks (T5: 0.15)")

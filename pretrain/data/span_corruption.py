@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from pretrain.core.config import MIN_INPUT_LENGTH
+
+
+def _noise_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) of a chunk of `length` tokens: at least one of each and one kept token, as
+    `random_spans_noise_mask` clamps them (the lengths below and the masks drawn must agree: with long spans,
+    round(noise / mean) is 0 and the mask still has one span)."""
+    num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
+    return num_noise, max(int(round(num_noise / mean_noise_span_length)), 1)
+
 
 def _lengths_for(raw_length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
     """(inputs, targets) lengths, each with its EOS, of a corrupted chunk of `raw_length` tokens."""
-    num_noise = int(round(raw_length * noise_density))
-    num_spans = int(round(num_noise / mean_noise_span_length))
+    num_noise, num_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
     return raw_length - num_noise + num_spans + 1, num_noise + num_spans + 1
 
 
@@ -23,8 +32,9 @@ def input_and_target_lengths(
 
     512 -> (568, 114), as T5's `random_spans_helper`.
     """
-    if input_length < 2:
-        raise ValueError(f"input_length ({input_length}) must be at least 2")
+    if input_length < MIN_INPUT_LENGTH:
+        raise ValueError(f"input_length ({input_length}) must be at least {MIN_INPUT_LENGTH}: a chunk of 2 tokens, "
+                         "one of them noise, corrupts to a kept token, a sentinel and EOS")
     if not 0 < noise_density < 1 or not mean_noise_span_length >= 1:  # also NaN
         raise ValueError(f"noise_density ({noise_density}) must be in (0, 1) and mean_noise_span_length "
                          f"({mean_noise_span_length}) at least 1")
@@ -60,8 +70,7 @@ def noise_span_lengths(
     rows: int = 1,
 ) -> np.ndarray:
     """[rows, 2 * spans] interleaved run lengths [non-noise 0, noise 0, non-noise 1, ...]: the noise masks' runs."""
-    num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
-    num_spans = max(int(round(num_noise / mean_noise_span_length)), 1)
+    num_noise, num_spans = _noise_counts(length, noise_density, mean_noise_span_length)
     lengths = np.empty((rows, 2 * num_spans), dtype=np.int64)
     lengths[:, 0::2] = _random_segmentation(length - num_noise, num_spans, rng, rows)
     lengths[:, 1::2] = _random_segmentation(num_noise, num_spans, rng, rows)

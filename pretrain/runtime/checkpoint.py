@@ -42,7 +42,14 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import random as mp_random
 
 from pretrain.core.config import CheckpointConfig, UsageError
-from pretrain.core.files import fsync_path, write_atomic
+from pretrain.core.files import (
+    STORAGE_ERRNOS,
+    describe_storage_failure,
+    fsync_path,
+    storage_failure,
+    write_atomic,
+    writing,
+)
 from pretrain.core.manifest import (
     COMPLETE,
     LATEST,
@@ -56,7 +63,7 @@ from pretrain.core.manifest import (
 )
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.runtime.checkpoint_writer import BackgroundWriter, HostCopies, snapshot, staging_saves
-from pretrain.runtime.faults import STORAGE_ERRNOS, StorageError, describe_storage_failure, storage_failure, writing
+from pretrain.runtime.faults import StorageError
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,6 @@ Exit codes:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import errno
 import functools
 import gc
 import logging
@@ -34,13 +32,13 @@ import signal
 import socket
 import sys
 import traceback
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from pretrain.core.config import UsageError, print_error
+from pretrain.core.files import chain, describe_storage_failure, storage_failure
 from pretrain.distributed.parallel import destroy_distributed
 
 # the signals live in pretrain.core.signals and their record in pretrain.runtime.preemption (both light: installed
@@ -61,49 +59,8 @@ class Diverged(RuntimeError):
     """Too many non-finite losses; the message names the step."""
 
 
-# what storage says when it cannot take a write (none of them is a bug, none comes from a read), and when it will
-# take it again
-STORAGE_ERRNOS = {errno.ENOSPC: "there is space again", errno.EDQUOT: "the quota allows it",
-                  errno.EFBIG: "the file-size limit (ulimit -f) allows it",
-                  errno.EROFS: "the filesystem is writable again"}
-
-
 class StorageError(RuntimeError):
     """A write the storage refused (`STORAGE_ERRNOS`); the message is the one line a rank prints."""
-
-
-def _chain(e: BaseException | None) -> Iterator[BaseException]:
-    """`e` and the errors it came from (its cause, else its context), the last raised first."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-@contextlib.contextmanager
-def writing(path: Path | str) -> Iterator[None]:
-    """OSErrors raised inside name `path` where they name no file: a failed write() or flush() names none, and
-    torch.save into a file raises its own errors over the write's (`OSError` <- `RuntimeError` <- `OSError`)."""
-    try:
-        yield
-    except Exception as e:
-        for error in _chain(e):
-            if isinstance(error, OSError) and error.filename is None:
-                error.filename = str(path)
-        raise
-
-
-def storage_failure(e: BaseException) -> OSError | None:
-    """The first-raised OSError with a `STORAGE_ERRNOS` errno among `e` and the errors it came from, else None."""
-    found = [x for x in _chain(e) if isinstance(x, OSError) and x.errno in STORAGE_ERRNOS]
-    return found[-1] if found else None
-
-
-def describe_storage_failure(e: OSError) -> str:
-    """`no space left on device (ENOSPC): PATH`."""
-    where = f": {e.filename}" if e.filename else ""
-    return f"{os.strerror(e.errno).lower()} ({errno.errorcode[e.errno]}){where}"
 
 
 class Preempted(Exception):
@@ -165,7 +122,7 @@ def _peer_failure_line(e: BaseException) -> str:
 def _storage_line(e: BaseException, rank: int) -> str | None:
     """The line of the first storage failure among `e` and the errors it came from (cleanup that failed on the same
     storage afterwards, closing files or releasing the lock, raised its errors over it), else None."""
-    ours = [str(x) for x in _chain(e) if isinstance(x, StorageError)]
+    ours = [str(x) for x in chain(e) if isinstance(x, StorageError)]
     if ours:
         return ours[-1]
     failure = storage_failure(e)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.runtime.faults import writing
+from pretrain.core.files import writing
 
 log = logging.getLogger(__name__)
 
