@@ -2,6 +2,7 @@
 no temporary file is left on a failure, idempotence, array split."""
 import gzip
 import json
+import re
 import subprocess
 import sys
 
@@ -51,7 +52,7 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, tokenizer_model, ca
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     assert {k: v for k, v in index["bad"].items() if v} == {"invalid_json": 1, "non_utf8": 1, "missing_text": 2,
                                                             "empty_text": 1, "truncated_gzip": 1}
-    assert index["shards"]["shard-000000.tar"]["bad"]["invalid_json"] == 1
+    assert index["inputs"]["shard-000000.tar"]["bad"]["invalid_json"] == 1
     assert index["complete"] and index["num_ids"] == 1100
 
     sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
@@ -163,3 +164,64 @@ def test_glob_matching_nothing_is_one_line(tmp_path, tokenizer_model):
                         "--output", str(tmp_path), "--tokenizer", tokenizer_model], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("python -m pretrain.data.prepare: error: no files match")
+
+
+def test_a_corpus_of_empty_lines_is_one_line_in_both_tools(tmp_path, tokenizer_model):
+    (tmp_path / "empty.txt").write_text("\n" * 50 + "   \n" * 10)
+    for cmd in (["tokenizer.train", "--output", str(tmp_path / "tok"), "--vocab-size", "100"],
+                ["pretrain.data.prepare", "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model,
+                 "--workers", "1"]):
+        r = subprocess.run([sys.executable, "-m", *cmd, "--input", str(tmp_path / "empty.txt")], capture_output=True,
+                           text=True)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "INTERNAL" not in r.stderr, r.stderr
+        assert last.startswith(f"python -m {cmd[0]}: error: no ") and "empty" in last, last
+
+
+def test_sigterm_ends_every_worker_at_once_and_a_rerun_continues(tmp_path, c4_dir, tokenizer_model):
+    import signal
+    import time
+
+    import psutil
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for i, f in enumerate(sorted(c4_dir.glob("c4-train.*.json.gz")) * 3):
+        (src / f"c4-train.{i:05d}-of-00024.json.gz").symlink_to(f)
+    cmd = [sys.executable, "-m", "pretrain.data.prepare", "--input", str(src / "*.json.gz"), "--output",
+           str(tmp_path / "out"), "--tokenizer", tokenizer_model, "--workers", "2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    workers = []
+    while proc.poll() is None and not (len(workers) == 2 and list((tmp_path / "out").glob("*.tmp*"))):
+        workers = psutil.Process(proc.pid).children() if proc.poll() is None else workers
+        time.sleep(0.05)
+    assert proc.poll() is None, "prepare ended before a worker started writing"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("pretrain.data.prepare: stopped by SIGTERM; the input files done are kept "
+                                            "and the same command continues")
+    psutil.wait_procs(workers, timeout=30)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]  # no orphan
+    assert not list((tmp_path / "out").glob("*.tmp*"))
+    done = len(list((tmp_path / "out").glob("shard-*.json")))
+    assert done < 24
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0 and f"{done} input files already prepared, skipped" in r.stderr
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["complete"] and len(index["shards"]) == 24
+
+
+def test_a_full_disk_is_one_line_naming_the_errno_and_the_file(tmp_path, c4_dir, tokenizer_model):
+    from tests.distributed import disk_full
+
+    r = subprocess.run([sys.executable, "-m", "pretrain.data.prepare", "--input", str(c4_dir / "c4-train.0000[0-1]*"),
+                        "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_model, "--workers", "2",
+                        "--pack-tokens", "20000"], capture_output=True, text=True,
+                       preexec_fn=lambda: (disk_full(), __import__("resource").setrlimit(
+                           __import__("resource").RLIMIT_FSIZE, (100_000, 100_000))))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(rf"pretrain.data.prepare: file too large \(EFBIG\): {tmp_path}/out/shard-00000[01].tar.tmp\d+; "
+                        r"the input files done are kept: free space and run the same command again", last), last
+    assert not list((tmp_path / "out").glob("*.tmp*"))

@@ -262,8 +262,14 @@ def test_the_planner_reads_the_mixture(capsys):
 
     mix = "data.sources=[{name: c4, train: x, weight: 0.7}, {name: mine, train: y, weight: 0.3}]"
     assert plan(["--config", TINY, "--nodes", "1", "--gpus-per-node", "2", mix]) == 0
-    assert ("data: 2 sources in one order: c4 0.7, mine 0.3; data.streams 0 (min(shards of each source, 64)), which "
-            "DP 2 must divide") in capsys.readouterr().out
+    assert ("data: 2 sources in one order: c4 0.7, mine 0.3; 64 lanes (data.streams 0: the default): the run may use "
+            "and move between DP sizes 1, 2, 4, 8, 16, 32, 64\n") in capsys.readouterr().out
+    assert plan(["--config", TINY, "--nodes", "3", "--gpus-per-node", "2", mix, "data.streams=12", "train.global_batch=24"]) == 0
+    assert ("12 lanes (data.streams 12): the run may use and move between DP sizes 1, 2, 3, 4, 6, 12\n"
+            in capsys.readouterr().out)
+    assert plan(["--config", TINY, "--nodes", "5", "--gpus-per-node", "1", mix, "train.global_batch=20"]) == 0
+    assert ("DP sizes 1, 2, 4, 8, 16, 32, 64; DP 5 is not one of them: set data.streams to a multiple of it at the "
+            "run's start (320 keeps the sizes above)\n") in capsys.readouterr().out
     assert plan(["--config", TINY, "--nodes", "1", "--gpus-per-node", "2", mix.replace("0.3", "0.2")]) == 2
     assert capsys.readouterr().err.startswith("pretrain.plan: data.sources weights sum to 0.9 (c4 0.7, mine 0.2)")
 

@@ -96,7 +96,7 @@ def test_a_failing_shard_is_reported_without_its_credentials(flaky, caplog):
                       block_chunks=1, num_ids=1100, eos_id=1, noise_density=0.15, mean_noise_span_length=3.0,
                       expected_docs=None, retry=RETRY)
     damaged = {}
-    assert list(_read_checked(spec, url, 0, damaged)) == [] and damaged == {0: 0}
+    assert list(_read_checked(spec, 0, 0, damaged)) == [] and damaged == {0: 0}
     [line] = [r.getMessage() for r in caplog.records]
     assert line == (f"skipping the rest of damaged shard http://***@127.0.0.1:{server.server_address[1]}"
                     f"/missing.tar?token=***: http://***@127.0.0.1:{server.server_address[1]}/missing.tar?token=***: "

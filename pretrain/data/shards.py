@@ -41,12 +41,19 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 FORMAT_VERSION = 2  # in index.json and each sidecar; the loader refuses shards of another version
 PACK_TOKENS = 1 << 19  # ~1 MB of u16 per pack: few tar members per shard, and resume re-reads at most one pack
+SHARD_TOKENS = 1 << 27  # ~256 MB of u16 per shard: an input file of more is cut into several (C4's files: 1-2 each)
 _URL_SCHEMES = ("pipe:", "http://", "https://", "file:")
 _LENGTHS = "lengths.u32"
 
 
 def shard_name(index: int) -> str:
+    """The first shard of input file `index`: also the name of the file's sidecar (.json)."""
     return f"shard-{index:06d}.tar"
+
+
+def part_name(first: Path, part: int) -> str:
+    """Shard `part` of the input file whose first shard is `first`: `shard-NNNNNN.tar`, then `shard-NNNNNN-PPPP.tar`."""
+    return first.name if part == 0 else f"{first.stem}-{part:04d}.tar"
 
 
 def token_suffix(num_ids: int) -> str:

@@ -14,7 +14,8 @@ sqrt(n w (1 - w)): ~460 examples at 10^6 for 0.7 / 0.3).
 
 Lanes. The run has S lanes (`data.streams`). Global example i is example i // S of lane i % S, as in the one-source
 order (pretrain.data.stream). Every source is dealt to the same S streams (its stream s reads, in its epoch e, its
-shards permutation(source seed, e)[s::S]), and lane s holds stream s of every source: the lane's example m is the
+units permutation(source seed, e)[s::S]: whole shards, or slices of them where the source has fewer shards than S,
+pretrain.data.stream), and lane s holds stream s of every source: the lane's example m is the
 next example of stream s of the source of global example m S + s. So DP rank r owns the lanes s = r (mod D) whole
 and reads only its lanes' streams, every source's; workers split the lanes; and which source an example comes
 from, and which example of that source's stream it is, depend on (seed, i) alone: every DP size dividing S, micro
@@ -24,8 +25,9 @@ streams advance at its weight's pace on every lane (measured for S = 8, 64, 89, 
 source's epochs stay passes over all its shards. Within a source, examples follow its streams' orders; a source that
 runs out starts its next epoch (pretrain.data.stream.examples), reshuffled by its seed and the epoch.
 
-Every source needs a shard per lane (S <= its shards). Each lane holds one live stream per source it has drawn
-from: host memory grows with lanes x sources (docs/data.md, "Corpus mixtures").
+A source of any size serves every lane (a source of one small file repeats inside each lane, at its weight's
+pace). Each lane holds one live stream per source it has drawn from: host memory grows with lanes x sources
+(docs/data.md, "Corpus mixtures").
 """
 from __future__ import annotations
 

@@ -18,10 +18,12 @@ line over 5%), and ends with a verdict: exit 0 and
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.core.config import Config, UsageError
+from pretrain.data.loader import dp_sizes, num_streams
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.distributed.parallel import check_parallel, padded_vocab_size
 from pretrain.model import check_model
@@ -195,12 +197,17 @@ def _with(cfg: Config, section: str, **changes) -> Config:
 
 
 def _data_line(cfg: Config, layout: Layout) -> str:
-    """What the run reads, as far as the config says (the shards themselves are the loader's to open and check)."""
+    """What the run reads, as far as the config says (the shards themselves are the loader's to open and check), and
+    the DP sizes its lanes let it use and move between on a requeue (pretrain/data/loader.py, `dp_sizes`)."""
     d = cfg.data
     what = (f"{len(d.sources)} sources in one order: " + ", ".join(f"{s.name} {s.weight:g}" for s in d.sources)
             if d.sources else f"data.train {d.train or '(not set)'}")
-    streams = d.streams or f"0 (min({'shards of each source' if d.sources else 'shards'}, 64))"
-    return f"data: {what}; data.streams {streams}, which DP {layout.dp} must divide"
+    lanes = num_streams(d)
+    sizes = dp_sizes(lanes)
+    fits = "" if layout.dp in sizes else (f"; DP {layout.dp} is not one of them: set data.streams to a multiple of it at the run's "
+                                            f"start ({math.lcm(lanes, layout.dp)} keeps the sizes above)")
+    return (f"data: {what}; {lanes} lanes (data.streams {d.streams or '0: the default'}): the run may use and move "
+            f"between DP sizes {', '.join(map(str, sizes))}{fits}")
 
 
 # ---------------------------------------------------------------------------------------------------------
