@@ -10,7 +10,7 @@ Measures, on the fetched real text (pretrain.data.fetch) with a tokenizer traine
 - prepare throughput: MB of C4 json.gz (and of uncompressed JSON) per second for one process;
 - corpus mixtures (`data.sources`): the loader over two sources (0.7 and 0.3) against one source, the same shards
   and streams, in the same run; the realised shares after 1k, 10k and 100k examples; host
-  memory per rank at DP 8 for 2 and 16 sources over full C4's shard list (1,024 empty files and an index.json:
+  memory per rank at DP 1 and DP 8 for 1 and 16 sources over full C4's shard list (1,024 empty files and an index.json:
   what building the loader holds), and what each live stream holds once reading (measured on the shards here).
 Rates are per second of CPU time (one core). Targets: loader >= 1M tokens/s per core and >= 3x the baseline;
 mixture >= 0.9x one source.
@@ -155,7 +155,7 @@ def realised_shares(weights: tuple[float, ...], seed: int = 0) -> str:
             "examples")
 
 
-def c4_loader_memory(tokenizer: str, num_ids: int, num_sources: int, dp: int = 8) -> dict[str, float]:
+def c4_loader_memory(tokenizer: str, num_ids: int, num_sources: int, dp: int) -> dict[str, float]:
     """Bytes the loader of DP rank 0 (of `dp`) holds over C4's 1,024 shard names split into `num_sources` sources:
     after building it (shard lists, indexes read, positions, damage records), its pickled sources (what each worker
     gets) and its state (rank 0's records the mixture's shard lists)."""
@@ -171,7 +171,7 @@ def c4_loader_memory(tokenizer: str, num_ids: int, num_sources: int, dp: int = 8
         sources = [SourceConfig(f"s{k}", f"{tmp}/shard-{{{k * per:06d}..{(k + 1) * per - 1:06d}}}.tar",
                                 1 / num_sources) for k in range(num_sources)]
         sources[-1] = dataclasses.replace(sources[-1], weight=1 - sum(s.weight for s in sources[:-1]))
-        cfg = DataConfig(sources=sources, tokenizer=tokenizer, input_length=512, workers=0, streams=64)
+        cfg = DataConfig(sources=sources, tokenizer=tokenizer, input_length=512, workers=0)  # the default lanes
         tracemalloc.start()
         loader = build_train_loader(cfg, seed=0, dp_rank=0, dp_size=dp, micro_batch=32)
         held, peak = tracemalloc.get_traced_memory()
@@ -215,14 +215,15 @@ def bench_mixtures(work: Path, model: str, num_ids: int, args) -> None:
     mib = 2**20
     print(f"one live stream (C4-sized packs, shuffle buffer 1000, input {args.input_length}): holds "
           f"{held / mib:.1f} MiB between blocks, {peak / mib:.1f} MiB while it cuts one")
-    for n in (2, 16):
-        m = c4_loader_memory(model, num_ids, n)
-        print(f"C4's 1,024 shards as {n} sources, 64 streams, DP rank 0 of 8: building the loader holds "
-              f"{m['held'] / mib:.2f} MiB (peak {m['peak'] / mib:.2f}), its sources pickle to "
-              f"{m['pickled'] / 1024:.0f} KiB per worker, its state to {m['state0'] / 1024:.0f} KiB; once reading, "
-              f"{m['lanes']} lanes x {n} "
-              f"sources = {m['streams']} live streams hold ~{m['streams'] * held / mib:.0f} MiB, plus "
-              f"{(peak - held) / mib:.0f} MiB per worker while one of its streams cuts a block")
+    for n in (1, 16):
+        for dp in (1, 8):
+            m = c4_loader_memory(model, num_ids, n, dp)
+            print(f"C4's 1,024 shards as {n} source{'s' if n > 1 else ''}, the default 64 lanes, DP rank 0 of {dp}: "
+                  f"building the loader holds {m['held'] / mib:.2f} MiB (peak {m['peak'] / mib:.2f}), its sources "
+                  f"pickle to {m['pickled'] / 1024:.0f} KiB per worker, its state to {m['state0'] / 1024:.0f} KiB; "
+                  f"once reading, {m['lanes']} lanes x {n} source{'s' if n > 1 else ''} = {m['streams']} live "
+                  f"streams hold ~{m['streams'] * held / mib:.0f} MiB, plus {(peak - held) / mib:.0f} MiB per worker "
+                  "while one of its streams cuts a block")
 
 
 def main(argv: list[str] | None = None) -> None:

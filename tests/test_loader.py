@@ -14,6 +14,7 @@ import signal
 import tarfile
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -337,6 +338,32 @@ def test_a_few_empty_documents_are_skipped_and_counted(shards, tmp_path, caplog)
         resumed = make()
         resumed.load_state_dict({"ranks": [first.state_dict()]})
         assert_same_batches(list(itertools.islice(resumed, 12 - stop)), whole[stop:])
+
+
+@pytest.mark.parametrize("shuffle_buffer", [20, 2000])  # many blocks a pack, and a block of more than a pack
+def test_a_live_stream_holds_its_corrupted_block_and_one_pack(shards, tmp_path, shuffle_buffer):
+    # between blocks a stream holds its corrupted block and at most one pack's text: not the joined text, the
+    # block's raw chunks, nor a pack left in a suspended reader's frame (webdataset's group_by_keys, enumerate's
+    # last item), each of which once held a pack more; a rank's host memory is its live streams times this
+    rng = np.random.default_rng(0)
+    docs_per_pack, doc_tokens = 200, 500
+    with open(tmp_path / "shard-000000.tar", "wb") as f, TarWriter(f, encoder=False, mtime=0) as writer:
+        for p in range(12):
+            docs = rng.integers(3, 1000, size=(docs_per_pack, doc_tokens)).tolist()
+            writer.write(encode_pack(f"shard-000000_{p:06d}", docs, [""] * len(docs), "u16"))
+    cfg = shards.config(train=str(tmp_path), workers=0, streams=1, shuffle_buffer=shuffle_buffer)
+    spec = build_train_loader(cfg, seed=0, dp_rank=0, dp_size=1, micro_batch=1).sources.specs[0]
+    stream = examples(spec, 0, start_position(), {})
+    tracemalloc.start()
+    try:
+        for _ in range(3 * spec.block_chunks + 1):  # into the fourth block
+            next(stream)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    block = spec.block_chunks * (spec.input_length + spec.target_length) * 2  # inputs and targets, uint16
+    pack = docs_per_pack * (doc_tokens + 1) * 2  # with EOS
+    assert held < 1.1 * (block + pack) + 64 * 1024, (held, block, pack)
 
 
 def test_streams_and_dp_size_that_do_not_fit_are_clear_errors(shards):

@@ -159,7 +159,8 @@ def _read_checked(spec: StreamSpec, shard: int, skip_docs: int,
             continue  # before the resume point: skipped without decoding
         try:
             tokens, lengths = decode_pack(sample)
-            del sample  # the tokens keep their own bytes; the rest of the pack is let go
+            sample.clear()  # webdataset's group_by_keys holds this dict while suspended: only the tokens keep
+            del sample  # their bytes, and they are let go once the pack is joined with EOS
         except ValueError as exn:
             errors.append(exn)
             n = first
@@ -169,7 +170,9 @@ def _read_checked(spec: StreamSpec, shard: int, skip_docs: int,
             raise UsageError(f"shard {redact(url)} holds token id {int(tokens.max())}, beyond the {spec.num_ids} ids of "
                              "data.tokenizer: it was prepared with another tokenizer; prepare it again with this one")
         empty += int((lengths == 0).sum())
-        yield first, tokens, lengths
+        pack = [first, tokens, lengths]
+        del tokens, lengths
+        yield pack  # handed over: the reader empties the list, so this suspended generator holds no pack
     if empty:
         log.warning("skipped %d empty documents (no tokens) of shard %s", empty, redact(url))
     expected = spec.expected_docs[shard] if spec.expected_docs else None
@@ -203,16 +206,22 @@ def _unit_packs(spec: StreamSpec, unit: tuple[int, int, int], doc: int,
     """(index of the first document, its documents joined with EOS, document starts) of each pack of `unit` from
     its document `doc` on, the last pack cut at the unit's end."""
     shard, _, end = unit
-    for first, tokens, lengths in _read_checked(spec, shard, doc, damaged):
+    for pack in _read_checked(spec, shard, doc, damaged):
+        first, tokens, lengths = pack
+        pack.clear()
         if 0 <= end <= first:
             return
         flat, starts = _with_eos(tokens, lengths, spec.eos_id)
-        del tokens  # a live stream holds one copy of its pack, not two
-        if 0 <= end < first + len(lengths):
+        last = 0 <= end < first + len(lengths)
+        del tokens, lengths  # a live stream holds one copy of its pack, not two
+        if last:
             starts = starts[: end - first + 1]
-            yield first, flat[: starts[-1]], starts
+            flat = flat[: starts[-1]]
+        pack = [first, flat, starts]
+        del flat, starts
+        yield pack  # handed over as _read_checked's
+        if last:
             return
-        yield first, flat, starts
 
 
 def blocks(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, int],
@@ -238,7 +247,9 @@ def blocks(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, int
         order = epoch_units(spec, epoch, stream)
         read = 0
         for ui in range(unit, len(order)):
-            for first, flat, starts in _unit_packs(spec, spec.units[order[ui]], doc, damaged):
+            for pack in _unit_packs(spec, spec.units[order[ui]], doc, damaged):
+                first, flat, starts = pack
+                pack.clear()
                 skip = starts[doc - first] + offset if first <= doc else 0
                 pieces.append(flat[skip:])
                 total += len(flat) - skip
@@ -250,13 +261,19 @@ def blocks(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, int
                 joined = np.concatenate(pieces)
                 pieces, flat = [], None
                 cut = 0
-                while len(joined) - cut >= need:
-                    yield joined[cut : cut + need].reshape(-1, spec.raw_length), start
+                while len(joined) >= need:
+                    # the block goes out and, at the last block of this text, only the text after it stays here (a
+                    # copy): a suspended stream holds its corrupted block and one pack's tail, not the joined text
+                    rest = joined[need:]
+                    split = [joined[:need].reshape(-1, spec.raw_length), rest.copy() if len(rest) < need else rest]
+                    del rest
+                    joined = split.pop()
+                    yield split.pop(), start
                     cut += need
                     at = cut - carried + skip  # where the next block starts, in this pack's coordinates
                     d = int(np.searchsorted(starts, at, side="right")) - 1
                     start = (epoch, ui, first + d, int(at - starts[d]))
-                pieces, total = [joined[cut:].copy()], len(joined) - cut  # a copy: the block's array is let go
+                pieces, total = [joined], len(joined)
                 joined = None
             if ui + 1 < len(order):
                 doc, offset = spec.units[order[ui + 1]][1], 0
@@ -300,8 +317,8 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, i
     the rule reads nothing but this stream's own units, so example j of the stream stays a function of the seed
     (and the shards' bytes) alone, whichever rank or worker computes it and whenever.
     """
-    nxt = position["next"]
-    for block, (chunks, start) in enumerate(blocks(spec, stream, position, damaged, cycle), position["block"]):
+    nxt, block = position["next"], position["block"]
+    for chunks, start in blocks(spec, stream, position, damaged, cycle):  # not enumerate: it keeps its last item
         rng = np.random.default_rng([spec.seed, stream, block, BLOCK_KEY])
         inputs, targets = span_corrupt(
             chunks[rng.permutation(len(chunks))], rng, vocab_size=spec.num_ids, eos_id=spec.eos_id,
@@ -309,7 +326,7 @@ def examples(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, i
         del chunks
         for j in range(nxt, len(inputs)):
             yield inputs[j], targets[j], dict(zip(POSITION_KEYS, (*start, block, j + 1)))
-        nxt = 0
+        nxt, block = 0, block + 1
 
 
 def pad_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], input_length: int,
