@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import sentencepiece as spm
+import torch
 
 from bench.documents import write_formats
 from pretrain.data.documents import expand_glob
@@ -225,3 +226,33 @@ def test_a_full_disk_is_one_line_naming_the_errno_and_the_file(tmp_path, c4_dir,
     assert re.fullmatch(rf"pretrain.data.prepare: file too large \(EFBIG\): {tmp_path}/out/shard-00000[01].tar.tmp\d+; "
                         r"the input files done are kept: free space and run the same command again", last), last
     assert not list((tmp_path / "out").glob("*.tmp*"))
+
+
+def test_a_folder_prepared_before_shards_were_cut_by_size_is_kept_and_loads(tmp_path, c4_dir, tokenizer_model):
+    # one shard per input file, sidecars without "parts", an index without "inputs": prepare counts the files as
+    # done, and the loader reads the folder as before (the same batches as the folder prepared today)
+    from pretrain.core.config import DataConfig
+    from pretrain.data.loader import build_train_loader
+
+    files = expand_glob(str(c4_dir / "c4-train.*.json.gz"))[:3]
+    for name in ("old", "new"):
+        prepare(files, tmp_path / name, tokenizer_model)
+    old = tmp_path / "old"
+    for sidecar in old.glob("shard-*.json"):
+        record = json.loads(sidecar.read_text())
+        del record["parts"]
+        sidecar.write_text(json.dumps(record))
+    index = json.loads((old / "index.json").read_text())
+    index["shards"] = index.pop("inputs")  # the sidecars by shard, as prepare wrote them then
+    (old / "index.json").write_text(json.dumps(index))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in old.glob("*.tar")}
+    assert prepare(files, old, tokenizer_model)["complete"]
+    assert {p.name: p.stat().st_mtime_ns for p in old.glob("*.tar")} == mtimes  # nothing prepared again
+    (old / "index.json").write_text(json.dumps(index))
+    batches = {}
+    for name in ("old", "new"):
+        cfg = DataConfig(train=str(tmp_path / name), tokenizer=tokenizer_model, input_length=64, workers=0)
+        loader = iter(build_train_loader(cfg, seed=0, dp_rank=0, dp_size=2, micro_batch=4))
+        batches[name] = [next(loader)["input_ids"] for _ in range(3)]
+    for a, b in zip(batches["old"], batches["new"]):
+        assert torch.equal(a, b)
