@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 import random
 import re
 from collections import Counter
@@ -40,17 +41,24 @@ def sample_lines(files: list[str], max_bytes: int, seed: int, bad: Counter, layo
     order = list(files)
     random.Random(seed).shuffle(order)
     taken = 0
-    with tqdm(total=max_bytes, unit="B", unit_scale=True, desc="tokenizer sample") as bar:
-        for path in order:
+    # the bar counts input files read (their bytes on disk), the text taken beside it: a corpus below --max-bytes
+    # ends at 100%, one above it where the sample is full (a terminal only: no `\r` bars in log files)
+    sizes = [os.path.getsize(p) for p in order]
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenizer sample", disable=None) as bar:
+        for path, size in zip(order, sizes):
             for doc in read_documents(path, bad, layout):
                 for line in doc.text.splitlines():
                     line = line.strip().encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
                     if line:
                         taken += len(line.encode("utf-8"))
-                        bar.update(len(line.encode("utf-8")))
                         yield line
                 if taken >= max_bytes:
-                    return
+                    bar.total = bar.n + size  # the sample is full: the bar ends here
+                    break
+            bar.update(size)
+            bar.set_postfix_str(f"text {taken / 1e6:.1f} of at most {max_bytes / 1e6:g} MB", refresh=False)
+            if taken >= max_bytes:
+                return
 
 
 def advice(error: str, character_coverage: float) -> str:
