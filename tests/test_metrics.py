@@ -5,8 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.utils.benchmark as benchmark
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.runtime.metrics import MetricsLogger, gpu_peak_flops, measured_matmul_flops
@@ -55,18 +53,21 @@ def test_disabled_logger_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_measured_matmul_rate_agrees_with_an_independent_timing():
-    # torch's own benchmark timer over the same product: 2 n^3 FLOPs per n x n x n matmul. The timer's mean over
-    # bursts of 16 products, ours the fastest product of 16, interleaved, best of 10 each: a busy shared machine
-    # then slows both alike (best-of-3 of 0.2 s runs against best-of-3 bursts once read half the rate under load)
-    n = 256
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    timer = benchmark.Timer("a @ b", globals={"a": a, "b": b})
-    reference = ours = 0.0
-    for _ in range(10):
-        reference = max(reference, 2 * n**3 / timer.timeit(16).mean)
-        ours = max(ours, measured_matmul_flops(n=n, repeats=16))
-    assert 0.6 < ours / reference < 1.6, (ours, reference)
+def test_measured_matmul_rate_is_the_fastest_product(monkeypatch):
+    # 2 n^3 FLOPs over the fastest of the timed products, not the burst: a product descheduled on a busy machine
+    # (here the 3 s one) must not lower the figure. The clock is the test's, so no wall-clock bound is asserted
+    import pretrain.runtime.metrics as metrics
+
+    durations = iter([0.5, 3.0, 0.25, 0.4])
+    ticks = []
+
+    def clock() -> float:  # start and end of each product: the end is the start plus its duration
+        ticks.append(ticks[-1] + next(durations) if len(ticks) % 2 else 0.0)
+        return ticks[-1]
+
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    assert measured_matmul_flops(n=64, repeats=4) == 2 * 64**3 / 0.25
+    assert len(ticks) == 8
 
 
 @pytest.mark.parametrize("name, precision, flops", [
