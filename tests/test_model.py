@@ -40,7 +40,8 @@ def test_decoder_is_causal(spec):
 
 
 def _extra(name: str) -> int:
-    """Self-attention parameters of one layer beyond the output projection (formulas of DESIGN.md)."""
+    """Self-attention parameters of one layer beyond the output projection (docs/model.md, "Mixers and their
+    parameters")."""
     d, h, dkv, n, k = CFG.d_model, CFG.num_heads, CFG.d_kv, CFG.max_length, CFG.factorized_k
     inner = h * dkv
     a, b = factor_pair(n)
