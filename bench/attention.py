@@ -10,9 +10,9 @@ attention") has the table.
 
 Peak memory is what the step adds to what its inputs hold: on the CPU the resident set's peak (VmHWM, restarted
 before each step), on CUDA torch's allocator peak. The projections (Q, K, V, output) are outside the core and the
-same in both forms. `chosen` is the form the layer takes for training on that device (the fused one where it has one
-and, on the CPU, its mask needs no gradient); `kernel` the SDPA kernel its fused form names (pretrain/model/sdpa.py).
-Layers without a mixer of Q' K'^T form have no fused form (`-`).
+same in both forms. `chosen` is the form the layer takes for training on that device (attention.py: the fused one where
+it has one and, on the CPU, its mask needs no gradient or it mixes Q' K'^T mixers alone); `kernel` the SDPA kernel its
+fused form names (pretrain/model/sdpa.py). Layers without a mixer of Q' K'^T form have no fused form (`-`).
 """
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                     for form in forms:
                         runs[form].append(measure(attn, form, inputs, grad))
                 results = {form: (min(t for t, _ in r), max(m for _, m in r)) for form, r in runs.items()}
-                chosen = "fused" if attn.dot and (device.type == "cuda" or not attn._mask_grad(inputs["additive"],
-                                                                                                None)) else "materialised"
+                cpu_fused = attn.cpu_math_wins or not attn._mask_grad(inputs["additive"], None)
+                chosen = "fused" if attn.dot and (device.type == "cuda" or cpu_fused) else "materialised"
                 (mt, mm), (ft, fm) = results["materialised"], results.get("fused", (float("nan"), 0))
                 cells = [f"{mt:.3f}", f"{mm / 2**20:.0f}"] + (
                     [f"{ft:.3f}", f"{fm / 2**20:.0f}", f"{ft / mt:.2f}", f"{fm / max(mm, 1):.2f}"] if attn.dot else

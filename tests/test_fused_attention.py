@@ -3,7 +3,8 @@ a mixer whose logits are a product Q' K'^T (vanilla, dense, factorized_random an
 `F.scaled_dot_product_attention` call. Checked in float64 against the paper's per-head formulas (outputs and every
 parameter's gradient), on the CPU's flash kernel where the CPU allows it (no trained mask); that such a layer
 saves nothing of size [b, heads, n, m] for the backward; that megatron's no-grad forward and its recompute run the
-same kernel; that a T5 decoder passes its causal mask as is_causal; the bf16 sum of the mask's terms."""
+same kernel; that a T5 decoder passes its causal mask as is_causal (and decodes through the cache); an evaluation
+with a bias made with gradients; the CPU form of a trained mask; the bf16 sum of the mask's terms."""
 from __future__ import annotations
 
 import dataclasses
@@ -90,6 +91,47 @@ def test_fused_form_equals_float64_reference(spec, per_head):
         assert ops.seen.count(FLASH) == (0 if spec.startswith("random+") else 1), name
 
 
+@pytest.mark.parametrize("spec, sdpa_calls", [("vanilla", 0), ("dense", 0), ("dense+vanilla", 1),
+                                              ("factorized_random+vanilla", 1), ("random+vanilla", 0)])
+def test_cpu_training_with_a_trained_bias_takes_the_form_measured_faster(spec, sdpa_calls, monkeypatch):
+    # T5's bias as a trained mask: CPU training keeps materialised logits, but for mixtures of Q' K'^T mixers alone,
+    # whose SDPA math path measured faster (docs/model.md, "Fused attention"); either equals the paper's formulas,
+    # the bias's gradient included (float64)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    attn = _layer(spec, per_head=True).train()
+    b, n = 3, 11
+    x = torch.randn(b, n, CFG.d_model, dtype=torch.float64)
+    bias = torch.randn(1, CFG.num_heads, n, n, dtype=torch.float64, requires_grad=True)
+    mask = _masks(b, n)[1][1]  # padding
+    results = []
+    for form in (lambda: attn(x, bias, mask), lambda: _reference(attn, parse_mixers(spec), x, bias, mask)):
+        form().sum().backward()
+        results.append((_grads(attn), bias.grad))
+        bias.grad = None
+        if not results[1:]:
+            assert len(calls) == sdpa_calls
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", FUSED)
+def test_evaluation_with_a_bias_made_with_gradients_runs_the_flash_kernel(spec):
+    # an evaluation (eval mode, no grad) of a layer whose bias was made with gradients (the study's attention maps
+    # recompute the layer so): the CPU flash kernel, which refuses a mask that requires grad, runs it, equal to the
+    # paper's formulas (was: "No available kernel")
+    attn = _layer(spec).eval()
+    b, n = 2, 11
+    x = torch.randn(b, n, CFG.d_model, dtype=torch.float64)
+    bias = torch.randn(1, CFG.num_heads, n, n, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        with Ops() as ops:
+            out = attn(x, bias, None)
+        ref = _reference(attn, parse_mixers(spec), x, bias, None)
+    assert ops.seen.count(FLASH) == 1
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("spec", FUSED)
 def test_fused_layer_saves_no_logit_sized_tensor(spec):
     # a layer with a fused form trains (CPU, no trained mask) without storing [b|1, heads, n, m] logits or
@@ -154,6 +196,31 @@ def test_t5_decoder_passes_its_causal_mask_to_the_kernel(spec, monkeypatch):
         torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=0)
         for name in results[1][1]:
             torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("spec", ["dense+vanilla", "factorized_random+vanilla"])
+def test_cached_decoding_of_fused_forms(spec):
+    # generation: each new position through the cache (its own rows of Q' against every key so far, the mask one
+    # row of the causal mask) equals the whole decoder at once and the materialised model (float64, no gradients)
+    cfg = dataclasses.replace(CFG, encoder_attention=spec, decoder_attention=spec, position_bias="none",
+                              num_layers=1, num_decoder_layers=2)
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(2, 256, (2, 9), generator=g), torch.randint(2, 256, (2, 6), generator=g)
+    full = {}
+    with torch.no_grad():
+        for form in (None, False):
+            init_single_process()
+            torch.manual_seed(0)
+            model = build_model(cfg, sdpa=form).double().eval()
+            memory = model.encode(ids)
+            full[form] = model.decode(dec, memory, None)  # [b, 6, vocab]
+        caches = [{} for _ in model.decoder.layers]
+        init_single_process()
+        torch.manual_seed(0)
+        model = build_model(cfg).double().eval()
+        steps = [model.decode(dec[:, t : t + 1], memory, None, None, caches) for t in range(dec.shape[1])]
+    torch.testing.assert_close(full[None], full[False], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[None], rtol=1e-10, atol=1e-10)
 
 
 def test_bf16_mask_terms_are_summed_in_fp32():

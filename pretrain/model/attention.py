@@ -19,7 +19,8 @@ Materialised (`_mixed`): the logits and an fp32 softmax are built explicitly, wh
 softmax of input-independent mixers; always so for layers without a Q' K'^T mixer (random, fixed_random,
 factorized_dense and their mixtures). `sdpa=None` (default) takes the fused form on CUDA and wherever its mask needs
 no gradient (on the CPU: `position_bias: none`, or evaluation), and materialised logits for CPU training with a
-trained mask, where SDPA falls back to a slower math path; True / False force one (tests, benchmarks).
+trained mask, where SDPA falls back to a slower math path, except for mixtures of Q' K'^T mixers alone, whose
+math path measured faster; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
 storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer with a trained
 bias and without attention dropout runs the materialised core as one autograd function that reads Q, K, V in the
@@ -188,6 +189,9 @@ class SelfAttention(nn.Module):
         # of them the layer has a fused form; the others' logits go into its attn_mask
         self.dot = tuple(name for name in mixers if name == "vanilla" or hasattr(self.synth[name], "factors"))
         self.sdpa = sdpa if self.dot else False  # None: by device and mask, see the module docstring
+        # measured (docs/model.md, "Fused attention"): on the CPU a mixture of Q' K'^T mixers alone (dense+vanilla,
+        # factorized_random+vanilla) trains faster through SDPA's math path than materialised, trained mask or not
+        self.cpu_math_wins = 1 < len(self.dot) == len(mixers)
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
@@ -221,7 +225,7 @@ class SelfAttention(nn.Module):
         additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
         p = self.dropout if self.training else 0.0
         mask_grad = self._mask_grad(additive, vanilla_bias)
-        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not mask_grad
+        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not mask_grad or self.cpu_math_wins
         if (self.mixers == ("vanilla",) and not sdpa and cache is None and p == 0 and vanilla_bias is None
                 and not (self.recompute and self.training) and use_cpu_autograd(x)):
             # eager CPU training: Q, K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
@@ -348,6 +352,7 @@ class CrossAttention(nn.Module):
             return self.o(CrossAttentionFunction.apply(self.q(x), memory_kv, mask, self.heads, self.d_kv))
         q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         k, v = _split_heads(memory_kv, self.heads, 2, self.d_kv)
+        backend = sdpa_backend(q.device, q.dtype, mask is not None, False, p, self.d_kv)  # the mask: no gradient
         with _fork_tp_rng(p > 0):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+            out = attend(q, k, v, mask, False, p, backend)
         return self.o(out.transpose(1, 2).reshape(b, n, -1))

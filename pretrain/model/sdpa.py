@@ -48,6 +48,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """softmax(q k^T + mask (+ causal)) v with scale 1 through `backend`; q, k [b, h, n|m, dq], v [b, h, m, dv] ->
     [b, h, n, dv]. Q and K, or V, get zero columns where the kernel wants one head dimension."""
     dv = v.shape[-1]
+    if mask is not None and not torch.is_grad_enabled():
+        # no graph is built, but the CPU flash kernel refuses any mask that requires grad (a bias made with
+        # gradients, applied in an evaluation): detaching it changes nothing else
+        mask = mask.detach()
     if backend != SDPBackend.MATH:
         dim = max(q.shape[-1], dv)
         dim = _round8(dim) if q.is_cuda else dim

@@ -261,7 +261,8 @@ class T5Model(nn.Module):
                 decoder_attention_mask: torch.Tensor | None, caches: list[dict] | None = None) -> torch.Tensor:
         start = caches[0].get("len", 0) if caches else 0
         mask = causal_mask(h.shape[1], start, decoder_attention_mask, h.dtype, h.device)
-        h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches)
+        causal = decoder_attention_mask is None and not caches  # the fused kernels apply it themselves
+        h = self.decoder(h, mask, memory, padding_mask(attention_mask, h.dtype), caches, causal)
         return mask_vocab_padding(self.lm_head(h), self.config.vocab_size, self.tp_rank)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
