@@ -30,17 +30,30 @@ from pretrain.experiments.stats import (
 )
 from pretrain.runtime import pictures
 
-# Tay et al. 2021 (arXiv 2005.00743), T5-base-sized models pretrained on C4, as quoted by secondary summaries
-# (../shared/reference/synthesizer.md; not checked against the paper itself): masked-LM log-perplexity (lower
-# is better) and training steps/s. Our eval_loss is the same quantity (token cross-entropy of span
-# corruption, nats), on other data at another scale, so only the ordering is comparable.
+# Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models" (ICML 2021), T5-base-sized models
+# pretrained on C4, as quoted by secondary summaries of that revision (not checked against the paper itself):
+# masked-LM log-perplexity (lower is better) and training steps/s. Our eval_loss is the same quantity (token
+# cross-entropy of span corruption, nats), on other data at another scale, so only the ordering is comparable.
 PAPER = {
     "vanilla": {"log_ppl": 1.865, "steps_per_s": 3.90},
     "random": {"log_ppl": 1.965, "steps_per_s": 4.26},
     "random+vanilla": {"log_ppl": 1.849},
 }
-PAPER_SOURCE = ("Tay et al., Synthesizer (arXiv 2005.00743), C4 pretraining at T5-base size, as reported in "
-                "secondary summaries (see ../shared/reference/synthesizer.md)")
+# Narang et al., "Do Transformer Modifications Transfer Across Implementations and Applications?" (EMNLP 2021),
+# Table 1: the Synthesizer paper's Mesh TensorFlow code, a 223M-parameter T5-style model, 524,288 steps on C4;
+# final log-perplexity, SuperGLUE average and training steps/s at length 512 (the mixtures: learned weights)
+NARANG = {
+    "vanilla": {"log_ppl": 1.838, "superglue": 71.66, "steps_per_s": 3.50},
+    "dense": {"log_ppl": 1.962, "superglue": 61.03},
+    "random": {"log_ppl": 2.009, "superglue": 54.27, "steps_per_s": 4.08},
+    "dense+vanilla": {"log_ppl": 1.828, "superglue": 74.25, "steps_per_s": 3.01},
+    "random+vanilla": {"log_ppl": 1.828, "superglue": 75.24, "steps_per_s": 3.42},
+}
+PAPER_SOURCE = ("Tay et al., \"Synthesizer: Rethinking Self-Attention in Transformer Models\" (ICML 2021), its C4 "
+                "pretraining figures at T5-base size as quoted by secondary summaries (not checked against the paper); "
+                "Narang et al., \"Do Transformer Modifications Transfer Across Implementations and Applications?\" "
+                "(EMNLP 2021), Table 1: the same Mesh TensorFlow code, a 223M-parameter T5-style model, 524,288 steps on "
+                "C4 (log-perplexity, SuperGLUE average, steps/s at length 512)")
 EXAMPLE = "the film is a charming and often affecting journey through a world of music ."
 
 
@@ -123,26 +136,24 @@ def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path, baseline: dic
              f"tasks: {', '.join(t.name for t in cfg.study.tasks) or 'none'}. Mean ± standard deviation over the "
              "finished seeds (n); downstream scores as fractions.", ""]
     head = ["variant", "n", "parameters", "tokens/s", "vs vanilla", "eval loss", "eval token acc.", *downstream,
-            "paper log-ppl", "paper steps/s vs vanilla"]
+            "Tay log-ppl", "Tay steps/s vs vanilla", "Narang log-ppl", "Narang SuperGLUE", "Narang steps/s vs vanilla"]
     body, scratch = [], []
     for variant, stats in summary.items():
         n = max((s[2] for s in stats.values()), default=0)
         speed = stats.get("tokens_per_s")
         ratio_ = f"{speed[0] / vanilla_speed[0]:.2f}" if speed and vanilla_speed else "-"
-        paper = PAPER.get(variant, {})
-        paper_ratio = (f"{paper['steps_per_s'] / PAPER['vanilla']['steps_per_s']:.2f}"
-                       if "steps_per_s" in paper else "-")
+        tay, narang = _published(PAPER, variant), _published(NARANG, variant)  # Tay's table has no SuperGLUE
         params = stats.get("parameters")
         body.append([variant, str(n), f"{params[0]:,.0f}" if params else "-", _fmt(speed, 0), ratio_,
                      _fmt(stats.get("eval_loss"), 3), _fmt(stats.get("eval_accuracy"), 3),
-                     *[_fmt(stats.get(k), 3) for k in downstream], str(paper.get("log_ppl", "-")), paper_ratio])
+                     *[_fmt(stats.get(k), 3) for k in downstream], tay[0], tay[2], *narang])
         if any(f"scratch/{k}" in stats for k in downstream):
             counts = [stats[f"scratch/{k}"][2] for k in downstream if f"scratch/{k}" in stats]
             scratch.append([f"{variant}, from random init", str(max(counts)), "-", "-", "-", "-", "-",
-                            *[_fmt(stats.get(f"scratch/{k}"), 3) for k in downstream], "-", "-"])
+                            *[_fmt(stats.get(f"scratch/{k}"), 3) for k in downstream], *["-"] * 5])
     if baseline:
         body.append(["unigram (baseline)", "-", "-", "-", "-", f"{baseline['unigram_loss']:.3f}",
-                     f"{baseline['unigram_accuracy']:.3f}", *["-"] * len(downstream), "-", "-"])
+                     f"{baseline['unigram_accuracy']:.3f}", *["-"] * (len(downstream) + 5)])
     lines += _table(head, body + scratch)
     if baseline:
         lines += ["", f"unigram: the best unigram model of the validation targets ({baseline.get('tokens', '?')} "
@@ -156,6 +167,14 @@ def write_markdown(cfg: StudyConfig, rows: list[dict], path: Path, baseline: dic
         lines += [f"- {r['variant']} seed {r['seed']}: {r['status']}" for r in failed]
     lines += ["", f"Paper figures: {PAPER_SOURCE}. Per-cell numbers: results.csv; figures: figures/.", ""]
     path.write_text("\n".join(lines))
+
+
+def _published(source: dict, variant: str) -> list[str]:
+    """A variant's cells from one publication: log-perplexity, SuperGLUE average, steps/s as a ratio to vanilla's."""
+    figures = source.get(variant, {})
+    speed = figures.get("steps_per_s")
+    return [str(figures.get("log_ppl", "-")), str(figures.get("superglue", "-")),
+            f"{speed / source['vanilla']['steps_per_s']:.2f}" if speed else "-"]
 
 
 def _difference_sections(rows: list[dict], baseline: dict | None) -> list[str]:
