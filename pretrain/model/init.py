@@ -16,6 +16,7 @@ import hashlib
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 _base: int | None = None  # the base seed of the model being built (None: scopes are no-ops)
 _path: list[str] = []
@@ -23,6 +24,19 @@ _path: list[str] = []
 
 def _seed(base: int, path: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}/{path}".encode()).digest()[:8], "little") >> 1
+
+
+def _host_seed() -> int:
+    """One draw from the host's generator. Under fake tensors (the CUDA path rehearsed without a GPU, tests/fake_cuda)
+    tensors hold no values, so the draw is made outside them: the same number, the generator left where it is."""
+    with unset_fake_temporarily():  # a no-op outside FakeTensorMode
+        return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device="cpu"))
+
+
+def holds_values(t: torch.Tensor) -> bool:
+    """False for tensors of shapes and dtypes only (meta, fake): an initialiser that reads its draws on the host
+    (rejection sampling) skips them, as torch's own initialisers skip meta tensors."""
+    return not (t.is_meta or is_fake(t))
 
 
 @contextlib.contextmanager
@@ -34,7 +48,7 @@ def model_init() -> Iterator[None]:
     # one int32 scalar on the host, whatever the device (a model built on the GPU holds nothing there); a build
     # on `meta` (the planner's shapes, a model whose weights come from a file) draws nothing at all
     meta = torch.get_default_device().type == "meta"
-    base = 0 if meta else int(torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device="cpu"))
+    base = 0 if meta else _host_seed()
     devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     outer, _base = _base, base
     try:
