@@ -25,6 +25,7 @@ from pretrain.model import MIXERS
 from pretrain.model.mixers import parse_mixers
 from tests.fake_cuda import build_shim, compiler, fake_cuda_env
 from tests.fake_cuda.rehearsal import VARIANTS, WIDTHS, StrictDtypes, case_id
+from tests.fake_cuda.sdpa_rules import refusal, torch_choice
 
 REPO = Path(__file__).resolve().parents[1]
 ATTENTION_KEYS = ("encoder_attention", "decoder_attention", "encoder", "decoder")  # model sections, study variants
@@ -56,8 +57,9 @@ NO_COMPILER = "no C++ compiler (c++, or $CXX): the fake CUDA device is built fro
 
 
 @pytest.fixture(scope="module")
-def rehearsal(tmp_path_factory) -> dict[str, str]:
-    """{case: "ok" or its error}: every case in one interpreter with the fake CUDA device preloaded."""
+def rehearsal(tmp_path_factory) -> dict[str, dict]:
+    """{case: {"error": None or its traceback, "sdpa": its attention calls}}: every case in one interpreter with the
+    fake CUDA device preloaded."""
     if compiler() is None:
         pytest.skip(NO_COMPILER)
     shim = build_shim(default_cache())
@@ -68,8 +70,46 @@ def rehearsal(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_cuda_train_step(rehearsal: dict[str, str], case: str):
-    assert rehearsal[case] == "ok", rehearsal[case]
+def test_cuda_train_step(rehearsal: dict[str, dict], case: str):
+    assert rehearsal[case]["error"] is None, rehearsal[case]["error"]
+
+
+# torch 2.13 on an H200 ranks cuDNN first where the runtime cuDNN is newer than 9.15.0, flash first otherwise
+CUDNN_FIRST, FLASH_FIRST = 91600, 91500
+
+
+def _calls(rehearsal: dict[str, dict]) -> list[tuple[str, dict]]:
+    calls = [(case, call) for case, result in rehearsal.items() for call in result["sdpa"]]
+    assert len(calls) >= 2 * len(rehearsal), "every case has self- and cross-attention calls"
+    return calls
+
+
+def _show(case: str, call: dict) -> str:
+    mask = call["mask"] and f"mask {call['mask']['shape']} {call['mask']['dtype']} grad {call['mask']['grad']}"
+    return f"{case}: q {call['q']} k {call['k']} v {call['v']} {call['dtype']} {mask or 'no mask'}"
+
+
+def test_cuda_sdpa_names_a_kernel_an_h200_runs(rehearsal: dict[str, dict]):
+    """pretrain/model/sdpa.py names one kernel per call (sdpa_kernel([backend])): on an H200, a kernel torch's rules
+    refuse for the call's shapes, dtypes or mask is "No available kernel" there."""
+    refused = [f"{_show(case, call)}: {call['named']} refuses: {why}" for case, call in _calls(rehearsal)
+               if (why := refusal(call["named"], call, CUDNN_FIRST))]
+    assert not refused, "\n".join(refused)
+
+
+def test_cuda_sdpa_kernels_are_what_the_planner_and_docs_assume(rehearsal: dict[str, dict]):
+    """The planner counts every CUDA attention call as a fused kernel (no probabilities saved) and a trained mask's
+    gradient as the memory-efficient kernel's backward allocates it (pretrain/planning/memory.py); docs/model.md:
+    flash without a mask in bf16, else memory-efficient. Torch's own choice, ranking flash first, is the same kernel;
+    ranking cuDNN first (cuDNN > 9.15) it may take cuDNN for calls without a trained mask (docs/cluster.md)."""
+    for case, call in _calls(rehearsal):
+        half = call["dtype"] == "torch.bfloat16"
+        expected = "FLASH_ATTENTION" if call["mask"] is None and half else "EFFICIENT_ATTENTION"
+        assert call["named"] == expected, _show(case, call)
+        assert torch_choice(call, FLASH_FIRST) == expected, _show(case, call)
+        trained_mask = call["mask"] is not None and call["mask"]["grad"]
+        allowed = {expected} if trained_mask else {expected, "CUDNN_ATTENTION"}
+        assert torch_choice(call, CUDNN_FIRST) in allowed, _show(case, call)
 
 
 def test_cuda_cases_cover_the_registry_and_the_shipped_mixtures():

@@ -4,7 +4,7 @@ strict dtype mode that refuses what CUDA refuses and fake tensors let pass.
 
 Run by tests/test_fake_cuda.py in a fresh interpreter that preloads the fake CUDA device (tests/fake_cuda/__init__.py):
     python -m tests.fake_cuda.rehearsal OUT.json CASE [CASE ...]
-writes {case: "ok" or the error} for each case. A case is WIDTH-SPEC-VARIANT, e.g. base-random+vanilla-bf16-padded-full
+writes {case: {"error": None or the traceback, "sdpa": the distinct attention calls (SdpaCalls)}} for each case. A case is WIDTH-SPEC-VARIANT, e.g. base-random+vanilla-bf16-padded-full
 (`case_id`); the test module holds the list.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Iterator
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +66,45 @@ class StrictDtypes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class SdpaCalls:
+    """Records each `F.scaled_dot_product_attention` call as tests/fake_cuda/sdpa_rules.py reads it: shapes, dtype,
+    mask, gradients and the kernel the caller named (the one `sdpa_kernel` left enabled). A pass-through in SDPA's
+    place while entered, as the planner counts it (pretrain/planning/memory.py): a torch function mode would miss the
+    recompute, which runs on autograd's device thread."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.real = F.scaled_dot_product_attention
+
+    def __enter__(self) -> SdpaCalls:
+        def recording(*args, **kwargs):
+            self.calls.append(_describe(*args, **kwargs))
+            return self.real(*args, **kwargs)
+
+        F.scaled_dot_product_attention = recording
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self.real
+
+
+def _describe(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **_) -> dict:
+    enabled = {"FLASH_ATTENTION": torch.backends.cuda.flash_sdp_enabled(),
+               "EFFICIENT_ATTENTION": torch.backends.cuda.mem_efficient_sdp_enabled(),
+               "CUDNN_ATTENTION": torch.backends.cuda.cudnn_sdp_enabled(), "MATH": torch.backends.cuda.math_sdp_enabled()}
+    named = [name for name, on in enabled.items() if on]
+    # under autocast the kernel gets every floating input, the mask too, in autocast's dtype
+    cast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") and q.is_cuda else None
+    dtype = (lambda t: str(cast if cast is not None and t.is_floating_point() else t.dtype))  # noqa: E731
+    return {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape), "dtype": dtype(q),
+            "last_stride_1": all(t.stride(-1) == 1 for t in (q, k, v, attn_mask) if t is not None),
+            "mask": None if attn_mask is None else {"shape": list(attn_mask.shape), "dtype": dtype(attn_mask),
+                                                     "grad": attn_mask.requires_grad},
+            "dropout": dropout_p, "causal": is_causal,
+            "grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            "named": named[0] if len(named) == 1 else "any"}
+
+
 @contextlib.contextmanager
 def cuda_autocast_allowed() -> Iterator[None]:
     """torch.autocast("cuda") switches itself off where CUDA is not available: here it is told otherwise."""
@@ -97,11 +137,11 @@ def batch(cfg: ModelConfig, padded: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_step(width: str, spec: str, variant: str) -> None:
+def train_step(width: str, spec: str, variant: str, sdpa: SdpaCalls) -> None:
     """Build, cast, forward, loss, backward and one fused AdamW step of one case; raise on any wrong gradient."""
     precision, padding, recompute = variant.split("-")
     cfg = model_config(width, spec)
-    with FakeTensorMode(), StrictDtypes():
+    with FakeTensorMode(), StrictDtypes(), sdpa:
         model = build_model(cfg, activation_checkpointing=recompute, device="cuda")
         if precision == "bf16":  # DeepSpeed's own cast of a bf16 engine's parameters (p.data = p.data.to(bf16))
             DeepSpeedEngine._cast_module_mixed_precision(SimpleNamespace(module=model), torch.bfloat16, None, False)
@@ -128,11 +168,14 @@ def main(out: str, cases: list[str]) -> None:
     for case in cases:
         width, rest = case.split("-", 1)
         spec, variant = rest.split("-", 1)
+        sdpa = SdpaCalls()
         try:
-            train_step(width, spec, variant)
-            results[case] = "ok"
+            train_step(width, spec, variant, sdpa)
+            error = None
         except Exception:  # noqa: BLE001 (each case's error goes to its test)
-            results[case] = traceback.format_exc()
+            error = traceback.format_exc()
+        calls = {json.dumps(call, sort_keys=True) for call in sdpa.calls}  # the distinct calls: one per stack and pass
+        results[case] = {"error": error, "sdpa": [json.loads(call) for call in sorted(calls)]}
     with open(out, "w") as f:
         json.dump(results, f)
 
