@@ -87,7 +87,10 @@ def test_finetuning_on_pairs_from_the_export_and_from_scratch(pair_dir: Path, to
         exports.append(write_export(build_local_model(TINY.model), Path(tokenizer_model), tmp_path / f"export{seed}"))
     pretrained = _finetune(exports[0], pair_dir, tmp_path / "pretrained")
     scratch = [_finetune(e, pair_dir, tmp_path / f"scratch{i}", "from_scratch=true") for i, e in enumerate(exports)]
-    assert set(pretrained["results"]["pair"]) == {"accuracy_rank"} and len(pretrained["losses"]) == 3
+    scores = pretrained["results"]["pair"]
+    assert set(scores) == {"accuracy_rank", "examples", "examples_in_file"} and len(pretrained["losses"]) == 3
+    # the scores say what they cover: eval.limit=24 of the dev file's rows
+    assert (scores["examples"], scores["examples_in_file"]) == (24, len(_rows(pair_dir / "dev.tsv")))
     # from scratch, the export gives the model config and tokenizer but not the weights: both runs are the same
     assert scratch[0] == scratch[1]
     assert scratch[0]["losses"][0] != pretrained["losses"][0]

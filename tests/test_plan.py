@@ -175,7 +175,7 @@ def test_check_job_layout_and_auto_micro_batch():
     assert layout.tokens_per_step == cfg.train.global_batch * (512 + 114)
     tiny = check_job(cfg, world=32, gpu_memory_bytes=2**30)  # a 1 GiB device: the smallest micro batch
     assert tiny.micro_batch < layout.micro_batch
-    with pytest.raises(ValueError, match="train.micro_batch 'many' must be a positive integer or auto"):
+    with pytest.raises(ValueError, match=r"train.micro_batch \(many\) must be an integer >= 1 or auto"):
         check_job(load_config(Config, "configs/base.yaml", ["train.micro_batch=many"]), world=8)
     with pytest.raises(ValueError, match=r"train.global_batch \(1024\) must equal train.micro_batch \(32\)"):
         check_job(load_config(Config, "configs/base.yaml", ["train.micro_batch=32"]), world=24)

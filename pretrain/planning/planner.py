@@ -138,7 +138,7 @@ def _micro_batch(cfg: Config, tp: int, dp: int, target_length: int, gpu_memory_b
     if isinstance(value, int) and not isinstance(value, bool):
         return value  # build_deepspeed_config checks the split
     if value != "auto":
-        raise UsageError(f"train.micro_batch '{value}' must be a positive integer or auto")
+        raise UsageError(f"train.micro_batch ({value}) must be an integer >= 1 or auto")  # as TrainConfig says
     per_rank = cfg.train.global_batch // dp
     if per_rank < 1 or cfg.train.global_batch % dp:
         raise UsageError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of the data-parallel "
