@@ -36,7 +36,7 @@ def sst2_folder(root: Path) -> Path:
 
 def eos_happy_model(cfg: ModelConfig):
     """A random model whose EOS (id 1) logit is raised, so batches (and DP ranks) finish decoding at different
-    steps: with seed 0 (name-keyed initialisation), examples 1 and 3 after 2 tokens, examples 0 and 2 after 3."""
+    steps: with seed 0 (name-keyed initialisation), the batch of examples 0 and 2 decodes 3 steps, that of 1 and 3 two."""
     torch.manual_seed(0)
     model = build_local_model(cfg).eval()
     with torch.no_grad():

@@ -162,6 +162,22 @@ def test_a_published_export_names_no_path_of_the_training_machine(tmp_path, save
     assert (source["run"], source["checkpoint"], source["data"]) == ("tiny", "checkpoints/step_1", "c4/shards")
     card = (out / "README.md").read_text()
     assert "- run: tiny\n" in card and "- checkpoint (in the run folder): checkpoints/step_1\n" in card
+    # a corpus mixture (data.sources): its sources, weights and shard counts (DP rank 0's data state records them),
+    # where the export recorded "data": "" and the card nothing
+    config["data"]["train"] = ""
+    config["data"]["sources"] = [{"name": n, "train": str(tmp_path / "machine" / "data" / n / "shards"), "weight": w,
+                                  "valid": ""} for n, w in (("c4", 0.7), ("wiki", 0.3))]
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    torch.save({"sources": [{"name": n, "weight": w, "shards": [[f"{i}.tar", 10] for i in range(k)]}
+                            for n, w, k in (("c4", 0.7, 8), ("wiki", 0.3, 2))]}, ckpt / "data_dp0.pt")
+    _with_size_listed(ckpt, ckpt / "config.yaml")
+    _with_size_listed(ckpt, ckpt / "data_dp0.pt")
+    out = export(run_dir, tmp_path / "mixture_export")
+    assert not [m for f in out.iterdir() if not f.name.endswith(".safetensors") for m in machine if m.encode() in f.read_bytes()]
+    source = json.loads((out / "config.json").read_text())["synthesizer"]["source"]
+    assert source["data"] == "mixture: c4 0.7 (c4/shards, 8 shards), wiki 0.3 (wiki/shards, 2 shards)"
+    assert source["sources"][1] == {"name": "wiki", "weight": 0.3, "train": "wiki/shards", "shards": 2}
+    assert f"- data: {source['data']}\n" in (out / "README.md").read_text()
 
 
 def test_the_per_parameter_reader_equals_deepspeeds_consolidation(tmp_path, saved_run):

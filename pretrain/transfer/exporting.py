@@ -360,11 +360,25 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None, dty
         "run": run_dir.resolve().name, "checkpoint": str(ckpt.relative_to(run_dir)), "step": trainer["step"],
         "tokens_seen": trainer.get("tokens_seen"), "tp": trainer["tp"], "dp": trainer["dp"],
         "evaluation": _evaluation(run_dir, trainer["step"]),
-        # pretraining shards (data.train) or a fine-tuning task (task.name)
+        # pretraining shards (data.train), a corpus mixture (data.sources) or a fine-tuning task (task.name)
         "data": _published(str(saved.get("data", {}).get("train") or saved.get("task", {}).get("name", ""))),
     }
+    if saved.get("data", {}).get("sources"):
+        source["sources"] = _mixture(saved["data"]["sources"], ckpt)
+        source["data"] = "mixture: " + ", ".join(f"{s['name']} {s['weight']:g} ({s['train']}" + (
+            f", {s['shards']} shards)" if s["shards"] is not None else ")") for s in source["sources"])
     return write_export(model, spiece, output, torch.float32 if dtype == "fp32" else torch.bfloat16, source,
                         max_shard_size, weights)
+
+
+def _mixture(sources: list[dict], ckpt: Path) -> list[dict]:
+    """Each source of a mixture run: name, weight, its shards' location (published) and how many shards it read,
+    from the checkpoint's data state (DP rank 0's `data_dp0.pt` records the mixture; None where it has none)."""
+    state = ckpt / "data_dp0.pt"
+    record = (torch.load(state, weights_only=True).get("sources") or []) if state.is_file() else []
+    counts = {s["name"]: len(s["shards"]) for s in record if s.get("shards") is not None}  # None: saved before mixtures
+    return [{"name": s["name"], "weight": s["weight"], "train": _published(s["train"]), "shards": counts.get(s["name"])}
+            for s in sources]
 
 
 def _published(location: str) -> str:
