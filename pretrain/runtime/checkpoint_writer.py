@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from pretrain.runtime.device_streams import CudaStreams, streams_for
+
 HOLD = "PRETRAIN_TEST_HOLD_WRITER"
 
 
@@ -71,22 +73,25 @@ class HostCopies:
     update, DeepSpeed's own copies), the loop not waiting. `copied()` ends a save's copies: the event the loop's
     next optimizer step and the writer wait for, or None when there was nothing to wait for (CPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: CudaStreams | None = None) -> None:
+        """streams: each storage's device's (`streams_for`) unless given (a test double)."""
         self.buffers = HostBuffers(pin=True)  # allocates only for a CUDA storage
+        self.streams = streams
         self._stream: torch.cuda.Stream | None = None
         self._queued = False  # a copy is on the side stream since the last `copied()`
 
     def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
-        if storage.device.type != "cuda":
+        streams = self.streams or streams_for(storage.device)
+        if streams is None:
             return storage.clone()  # the next step changes it in place
         if self._stream is None:
-            self._stream = torch.cuda.Stream(storage.device)
-        self._stream.wait_stream(torch.cuda.current_stream(storage.device))
+            self._stream = streams.side_stream(storage.device)
+        self._stream.wait_stream(streams.current_stream(storage.device))
         host = self.buffers.take(storage.nbytes())
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        with torch.cuda.stream(self._stream):
+        with streams.use(self._stream):
             torch.empty(0, dtype=torch.uint8).set_(host).copy_(source, non_blocking=True)
-        source.record_stream(self._stream)  # a temporary's memory is not reused before the copy has read it
+        streams.keep_until_used(source, self._stream)  # a temporary's memory is not reused before the copy read it
         self._queued = True
         return host
 

@@ -36,6 +36,7 @@ from pretrain.core.config import TrainConfig
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.model.sharding import is_tp_sharded
 from pretrain.runtime.checkpoint import CheckpointManager, Progress
+from pretrain.runtime.device_streams import CudaStreams, streams_for
 from pretrain.runtime.faults import EXIT_OK, EXIT_PREEMPTED, Preempted, check_skip_budget, stop_if_preempted
 from pretrain.runtime.metrics import MetricsLogger, peak_memory_bytes
 from pretrain.runtime.pictures import synthesizer_images
@@ -46,12 +47,14 @@ from pretrain.runtime.stragglers import RankSpread, StepClock
 log = logging.getLogger(__name__)
 
 
-def to_device(batches: Iterable[dict], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+def to_device(batches: Iterable[dict], device: torch.device,
+              streams: CudaStreams | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Batches on `device`; from pinned host memory on CUDA, so the copy is asynchronous (a pageable source
-    makes `non_blocking` copies synchronous)."""
+    makes `non_blocking` copies synchronous). streams: the device's (`streams_for`) unless given (a test double)."""
+    streams = streams or streams_for(device)
     for batch in batches:
-        if device.type == "cuda":
-            batch = {k: v.pin_memory() if not v.is_pinned() else v for k, v in batch.items()}
+        if streams is not None:
+            batch = {k: streams.pin(v) for k, v in batch.items()}
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -99,14 +102,16 @@ def grad_norm_over_tp(model: torch.nn.Module) -> torch.Tensor:
     return squares.sqrt()
 
 
-def _to_host(t: torch.Tensor) -> Callable[[], list[float]]:
+def _to_host(t: torch.Tensor, streams: CudaStreams | None = None) -> Callable[[], list[float]]:
     """Start copying `t` to the host without waiting for the device; the returned call waits for that copy only
-    (a pinned buffer and a CUDA event), so read after a sync the step makes anyway it waits for nothing."""
-    if t.device.type != "cuda":
+    (a pinned buffer and a CUDA event), so read after a sync the step makes anyway it waits for nothing.
+    streams: the device's unless given (a test double)."""
+    streams = streams or streams_for(t.device)
+    if streams is None:
         return t.tolist
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = streams.pinned_empty(t.shape, t.dtype)
     host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
+    done = streams.event()
     done.record()
 
     def read() -> list[float]:

@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pretrain.runtime.device_streams import CudaStreams, streams_for
+
 log = logging.getLogger(__name__)
 
 STRAGGLER_LINES = 3  # consecutive metrics lines a rank must lag by log.straggler_factor before it is named
@@ -28,13 +30,15 @@ class StepClock:
     """One step's timings on this rank: `data_wait` (seconds in the loader) and `ready()` (seconds from the start
     to the last backward, read after the step's sync)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, streams: CudaStreams | None = None) -> None:
+        """streams: the device's (`streams_for`) unless given (a test double)."""
         self.data_wait = 0.0
         self._start = time.perf_counter()
         self._ready = self._start
         self._events = None
-        if device.type == "cuda":  # the host runs ahead of the device: time the compute stream
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        streams = streams or streams_for(device)
+        if streams is not None:  # the host runs ahead of the device: time the compute stream
+            self._events = (streams.event(timing=True), streams.event(timing=True))
             self._events[0].record()
 
     def waited(self, since: float) -> None:
