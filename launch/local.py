@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Sequence
 
-from launch.env import CUDA_CONNECTIONS
+from pretrain.distributed.env import CUDA_CONNECTIONS
 
 
 def num_local_gpus() -> int:

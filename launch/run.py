@@ -28,7 +28,7 @@ import time
 import types
 from typing import Sequence
 
-from launch.env import NCCL_ERROR_HANDLING
+from pretrain.distributed.env import NCCL_ERROR_HANDLING
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # the signals torchrun's agent keeps: it ends the ranks on them (after its shutdown timeout, by SIGKILL)
@@ -150,7 +150,7 @@ def _launch(argv: Sequence[str] | None) -> int:
         print(f"launch.run: error: --nproc-per-node {nproc} must be a number of ranks on this node, at least 1, or "
               "gpu, cpu or auto", file=sys.stderr)
         return 2  # a usage mistake (pretrain.runtime.faults.EXIT_USAGE)
-    os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (launch/env.py)
+    os.environ.setdefault(*NCCL_ERROR_HANDLING)  # the agent passes it on, else sets 1 (pretrain/distributed/env.py)
     if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its six-line banner
     args.signals_to_handle = AGENT_SIGNALS  # torchrun's --signals-to-handle (torch >= 2.8, the device's 2.11 too)

@@ -6,7 +6,7 @@ site_setup
 
 # For `srun "${STEP_LAYOUT[@]}" python -m ...`, one task per process: NPROC_PER_NODE processes on each node
 # (default: the node's GPUs, 1 on CPU-only nodes), the node's CPUs split between them, and the rendezvous
-# every task reads through launch/env.py (first host of the job; a port from the job id, stable on requeue).
+# every task reads through pretrain/distributed/env.py (first host of the job; a port from the job id, stable on requeue).
 gpus=${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 NPROC=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 # --kill-on-bad-exit: a task that dies ends the step's other tasks at once, rather than leaving them to find out

@@ -32,10 +32,10 @@ site_setup() {
   # `export NCCL_SOCKET_IFNAME=ib0` or `export NCCL_IB_HCA=mlx5`; `module load cuda/12.4` likewise.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # one thread per process: ranks share the node's cores
   export PYTHONUNBUFFERED=1                      # log lines reach the job's output file as they happen
-  # Megatron's setting for tensor parallelism (launch/env.py, CUDA_CONNECTIONS): CUDA reads it when a process
+  # Megatron's setting for tensor parallelism (pretrain/distributed/env.py, CUDA_CONNECTIONS): CUDA reads it when a process
   # creates its CUDA context, so it belongs in the job's environment, before any process starts
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-  # a timed-out NCCL collective ends its rank at once (SIGABRT), as under launch.run (launch/env.py,
+  # a timed-out NCCL collective ends its rank at once (SIGABRT), as under launch.run (pretrain/distributed/env.py,
   # NCCL_ERROR_HANDLING); job.sh reports that as a crash, never as a preemption
   export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 }

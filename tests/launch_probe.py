@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.env import distributed_env, export_torch_env
+from pretrain.distributed.env import distributed_env, export_torch_env
 
 
 def main(out_dir: str) -> None:

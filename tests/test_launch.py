@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.env import DistEnv, distributed_env, slurm_port, tasks_per_node
 from launch.local import launcher_argv
+from pretrain.distributed.env import DistEnv, distributed_env, slurm_port, tasks_per_node
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_free_port_is_outside_the_kernels_ephemeral_range_and_unseeded() -> None
     import random
     import socket
 
-    from launch.env import RENDEZVOUS_PORTS, free_port
+    from pretrain.distributed.env import RENDEZVOUS_PORTS, free_port
 
     low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     picks = []

@@ -118,3 +118,14 @@ def test_the_model_takes_its_process_group_and_reads_no_global_one():
              if name == "megatron.core.parallel_state"]
     assert imported
     assert not wrong
+
+
+def test_the_launchers_and_the_tokenizer_command_sit_above_the_packages():
+    # launch/ starts the jobs (torchrun, the ranks' exit codes) and tokenizer/train.py is a command that reads corpora
+    # through pretrain.data: both sit on top of pretrain, which may import neither. tokenizer/spm.py, the vocabulary
+    # the data and the models read, sits below them: of the project it imports pretrain.core alone (its errors)
+    wrong = [f"{file} imports {name}" for file, names in _imported("pretrain/*.py").items() for name in names
+             if name.split(".")[0] == "launch" or name == "tokenizer.train"]
+    wrong += [f"tokenizer/spm.py imports {name}" for name in _imported("tokenizer/spm.py")["tokenizer/spm.py"]
+              if name.split(".")[0] in ("pretrain", "launch") and name.split(".")[:2] != ["pretrain", "core"]]
+    assert not wrong

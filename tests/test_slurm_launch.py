@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch.env import slurm_port
+from pretrain.distributed.env import slurm_port
 from tests.slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,8 +26,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import random as mp_random
 
-from launch.env import CUDA_CONNECTIONS, distributed_env, export_torch_env, free_port, init_launcher_death_signal
 from pretrain.core.config import ModelConfig, ParallelConfig, UsageError
+from pretrain.distributed.env import (
+    CUDA_CONNECTIONS,
+    distributed_env,
+    export_torch_env,
+    free_port,
+    init_launcher_death_signal,
+)
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.env import free_port
 from pretrain.core.files import write_atomic
+from pretrain.distributed.env import free_port
 from pretrain.experiments.grid import (
     FETCHED_TASKS,
     REPO,
