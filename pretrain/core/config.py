@@ -66,7 +66,7 @@ def check_fraction(section: str, cfg: object, keys: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The pretraining schema. Field names are the user-facing contract (DESIGN.md "Contract").
+# The pretraining schema. Field names are the user-facing contract (docs/configuration.md lists every key).
 # --------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunConfig:
