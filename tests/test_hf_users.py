@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForSeq2SeqLM, T5TokenizerFast, pipeline
+from transformers import AutoModel, AutoModelForSeq2SeqLM, T5TokenizerFast, pipeline
 
 from pretrain.core.config import Config, load_config
 from pretrain.model import build_local_model, generate_greedy
@@ -92,6 +92,22 @@ def test_length_limits_are_where_huggingface_looks(exports):
     # no EOS allowed: generation runs to the limit and stops there, instead of past N into the model's refusal
     out = hf.generate(input_ids=ids, suppress_tokens=[1], do_sample=False)
     assert out.shape[1] == n
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_automodel_gives_the_encoder_decoder_without_the_lm_head(exports, name):
+    # what HF users reach for beside AutoModelForSeq2SeqLM: AutoModel, as T5Model is for a T5 checkpoint (was, for a
+    # Synthesizer export: "Unrecognized configuration class ... for this kind of AutoModel")
+    ours, folder = exports[name]
+    hf = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(hf).__name__ == ("T5Model" if name == "vanilla" else "SynthesizerT5Model") and not hasattr(hf, "lm_head")
+    ids, mask, dec = batch()
+    with torch.no_grad():
+        hidden = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state
+        logits = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[..., :1100]
+    # our LM head on HF's decoder output gives our logits: the same encoder-decoder, every layer's mixers included
+    again = hidden @ ours.lm_head.weight[:1100].T
+    assert ((again - logits).abs().max() / logits.abs().max()).item() < 1e-5, name
 
 
 @pytest.mark.parametrize("name", ["vanilla", "mixture"])

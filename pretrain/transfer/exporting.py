@@ -22,8 +22,9 @@ model was trained with: the checkpoint's copy, checked against the sha256 in its
 `tokenizer_config.json` (T5Tokenizer/T5TokenizerFast load them). The HF files are written by
 `pretrain.transfer.hf_files` so that transformers 4.57 and 5.x read them alike. Vanilla models are plain
 HF T5 (model_type "t5"). A Synthesizer model is model_type "synthesizer_t5" with `auto_map` and the remote code
-of `pretrain/model/hf_synthesizer/` copied in, so `AutoModelForSeq2SeqLM.from_pretrained(OUT,
-trust_remote_code=True)` runs it (and without trust_remote_code transformers refuses it); its extra parameters
+of `pretrain/model/hf_synthesizer/` (and AutoModel's class, `remote_code/`) copied in, so
+`AutoModelForSeq2SeqLM.from_pretrained(OUT, trust_remote_code=True)` runs it (and without trust_remote_code
+transformers refuses it); `AutoModel` gives the encoder-decoder without the LM head, as T5Model; its extra parameters
 (`mix`, `synth.*`) sit under the HF self-attention module (`encoder.block.3.layer.0.SelfAttention.synth.random.r`)
 and a layer without dot-product attention has no `q`, `k`.
 """
@@ -66,6 +67,7 @@ CARD = "README.md"
 MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default split (transformers 5's save_pretrained says 50GB: xxl in one file)
 REMOTE_CODE_DIR = Path(__file__).parents[1] / "model" / "hf_synthesizer"
 REMOTE_CODE = ("configuration_synthesizer_t5.py", "modeling_synthesizer_t5.py")
+ENCODER_DECODER_CODE = Path(__file__).parent / "remote_code" / "modeling_synthesizer_t5_model.py"  # AutoModel's
 _CREDENTIALS = re.compile(r"//[^/@\s]*@")  # user:password@ in a shard URL
 _MP_RANK = re.compile(r"mp_rank_(\d+)_")
 _DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
@@ -294,10 +296,12 @@ def _write_folder(model: T5Model, weights: dict[str, Reader], spiece: Path, tmp:
         # transformers' remote-code convention: the code travels with the weights, loaded only when asked
         for name in REMOTE_CODE:
             shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
+        shutil.copyfile(ENCODER_DECODER_CODE, tmp / ENCODER_DECODER_CODE.name)
         config.architectures = ["SynthesizerT5ForConditionalGeneration"]
         config.auto_map = {
             "AutoConfig": "configuration_synthesizer_t5.SynthesizerT5Config",
             "AutoModelForSeq2SeqLM": "modeling_synthesizer_t5.SynthesizerT5ForConditionalGeneration",
+            "AutoModel": "modeling_synthesizer_t5_model.SynthesizerT5Model",  # no LM head, as T5Model
         }
     else:
         config.architectures = ["T5ForConditionalGeneration"]
