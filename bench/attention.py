@@ -11,8 +11,14 @@ attention") has the table.
 Peak memory is what the step adds to what its inputs hold: on the CPU the resident set's peak (VmHWM, restarted
 before each step), on CUDA torch's allocator peak. The projections (Q, K, V, output) are outside the core and the
 same in both forms. `chosen` is the form the layer takes for training on that device (attention.py: the fused one where
-it has one and, on the CPU, its mask needs no gradient or it mixes Q' K'^T mixers alone); `kernel` the SDPA kernel its
-fused form names (pretrain/model/sdpa.py). Layers without a mixer of Q' K'^T form have no fused form (`-`).
+it has one and, on the CPU, its mask needs no gradient or its math path measured faster: `cpu_math_wins`); `kernel`
+the SDPA kernel its fused form names (pretrain/model/sdpa.py). Layers without a mixer of Q' K'^T form have no fused form (`-`).
+
+On CUDA, after those rows, `vanilla (flex)` rows time FlexAttention (`torch.nn.attention.flex_attention`, compiled)
+with T5's bias computed inside the kernel from its trained [heads, buckets] table (score_mod; no [b, heads, n, m]
+bias or bias gradient), in the fused columns, against the materialised core of the same inputs; compare them with
+the `vanilla` rows' fused form (the memory-efficient kernel with the bias as a trained mask). On the CPU torch 2.13
+has no FlexAttention backward (NotImplementedError), so there are no such rows. A failed flex row prints its error.
 """
 from __future__ import annotations
 
@@ -100,6 +106,69 @@ def measure(attn: SelfAttention, form: str, inputs: dict, grad: torch.Tensor) ->
     return time.perf_counter() - start, max(0, _peak(device) - base)
 
 
+def flex_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, buckets: torch.Tensor):
+    """softmax(q k^T + table[h, buckets[i, j]]) v with scale 1 (T5's bias read inside the kernel); table [heads,
+    num_buckets] (trained), buckets [n, m] (long)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def score_mod(score, b, h, i, j):
+        return score + table[h, buckets[i, j]].to(score.dtype)
+
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX(q, k, v, score_mod=score_mod, scale=1.0)
+
+
+_FLEX = None
+
+
+def flex_rows(cfg_of, lengths: list[int], batch: int, reps: int, warmup: int, device, dtype) -> None:
+    """The `vanilla (flex)` rows (module docstring): materialised vs FlexAttention with the bias from its table."""
+    for n in lengths:
+        cfg = cfg_of(n)
+        torch.manual_seed(0)
+        attn = SelfAttention(cfg, ("vanilla",), ModelParallelConfig(use_cpu_initialization=True), 0, 1)
+        attn = attn.to(device, dtype).train()
+        bias = RelativePositionBias(cfg, True, 0, 1).to(device, dtype)
+        pos = torch.arange(n, device=device)
+        buckets = bias._bucket(pos[None, :] - pos[:, None])  # [n, n]: key - query, as RelativePositionBias.forward
+        inputs = _inputs(attn, cfg, batch, False, device, dtype)
+        grad = torch.randn(batch, attn.heads, n, cfg.d_kv, device=device, dtype=dtype)
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+
+        def step(form: str) -> None:
+            for t in (q, k, v, bias.weight):
+                t.grad = None
+            if form == "flex":
+                out = flex_core(q, k, v, bias.weight, buckets)
+            else:
+                out = attn._mixed(inputs["x"], q, k, v, bias(n, n), None, 0, n, 0.0)
+            out.backward(grad)
+
+        def timed(form: str) -> tuple[float, int]:
+            base = _peak_reset(device)
+            start = time.perf_counter()
+            step(form)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start, max(0, _peak(device) - base)
+
+        try:
+            for form in ("materialised", "flex") * warmup:
+                step(form)
+            runs = {"materialised": [], "flex": []}
+            for _ in range(reps):
+                for form in runs:
+                    runs[form].append(timed(form))
+        except Exception as e:  # noqa: BLE001 - the row says why; the rows before it stand
+            print(f"| vanilla (flex) | {n} | yes | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} |",
+                  flush=True)
+            return
+        (mt, mm), (ft, fm) = ((min(t for t, _ in r), max(m for _, m in r)) for r in runs.values())
+        print(f"| vanilla (flex) | {n} | yes | {mt:.3f} | {mm / 2**20:.0f} | {ft:.3f} | {fm / 2**20:.0f} | "
+              f"{ft / mt:.2f} | {fm / max(mm, 1):.2f} | - | flex_attention |", flush=True)
+
+
 def _inputs(attn: SelfAttention, cfg: ModelConfig, batch: int, bias: bool, device, dtype) -> dict:
     n, h, dkv = cfg.max_length, attn.heads, cfg.d_kv
     shape = (batch, h, n, dkv)
@@ -134,10 +203,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.d_kv}, {torch.get_num_threads()} threads; ratio = fused / materialised", flush=True)
     print("| mixer | N | bias | materialised s | MiB | fused s | MiB | time ratio | memory ratio | chosen | kernel |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    def cfg_of(n: int) -> ModelConfig:
+        return ModelConfig(d_model=args.heads * args.d_kv, d_kv=args.d_kv, num_heads=args.heads, max_length=n,
+                           factorized_k=8, mixture_per_head=False)
+
     for spec in args.mixers:
         for n in args.lengths:
-            cfg = ModelConfig(d_model=args.heads * args.d_kv, d_kv=args.d_kv, num_heads=args.heads, max_length=n,
-                              factorized_k=8, mixture_per_head=False)
+            cfg = cfg_of(n)
             torch.manual_seed(0)
             attn = SelfAttention(cfg, parse_mixers(spec), ModelParallelConfig(use_cpu_initialization=True), 0, 1)
             attn = attn.to(device, dtype).train()
@@ -164,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
                 del inputs, grad
             del attn
+    if device.type == "cuda" and "vanilla" in args.mixers:
+        flex_rows(cfg_of, args.lengths, args.batch, args.reps, args.warmup, device, dtype)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ Materialised (`_mixed`): the logits and an fp32 softmax are built explicitly, wh
 softmax of input-independent mixers; always so for layers without a Q' K'^T mixer (random, fixed_random,
 factorized_dense and their mixtures). `sdpa=None` (default) takes the fused form on CUDA and wherever its mask needs
 no gradient (on the CPU: `position_bias: none`, or evaluation), and materialised logits for CPU training with a
-trained mask, where SDPA falls back to a slower math path, except for mixtures of Q' K'^T mixers alone, whose
-math path measured faster; True / False force one (tests, benchmarks).
+trained mask, except for layers of Q' K'^T mixers alone other than vanilla and factorized_random alone (dense,
+dense+vanilla, factorized_random+vanilla: `cpu_math_wins`), where SDPA's math path measured less memory and at least
+the same speed; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
 storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer with a trained
 bias and without attention dropout runs the materialised core as one autograd function that reads Q, K, V in the
@@ -189,9 +190,13 @@ class SelfAttention(nn.Module):
         # of them the layer has a fused form; the others' logits go into its attn_mask
         self.dot = tuple(name for name in mixers if name == "vanilla" or hasattr(self.synth[name], "factors"))
         self.sdpa = sdpa if self.dot else False  # None: by device and mask, see the module docstring
-        # measured (docs/model.md, "Fused attention"): on the CPU a mixture of Q' K'^T mixers alone (dense+vanilla,
-        # factorized_random+vanilla) trains faster through SDPA's math path than materialised, trained mask or not
-        self.cpu_math_wins = 1 < len(self.dot) == len(mixers)
+        # measured (docs/model.md, "Fused attention"): with a trained mask on the CPU, SDPA's math path trains in
+        # less memory than the materialised form and at least as fast for layers of Q' K'^T mixers alone (dense,
+        # dense+vanilla, factorized_random+vanilla); not for vanilla alone (its hand-written core), input-independent
+        # layers (factorized_random alone: the batch-shared softmax has no batch factor) or mixtures with a full-rank
+        # mixer (random+vanilla: its whole model measured no faster, 1.03-1.18x)
+        independent = all(MIXERS[name].matrix is not None for name in mixers)
+        self.cpu_math_wins = self.dot == mixers and mixers != ("vanilla",) and not independent
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
