@@ -4,7 +4,8 @@ a mixer whose logits are a product Q' K'^T (vanilla, dense, factorized_random an
 parameter's gradient), on the CPU's flash kernel where the CPU allows it (no trained mask); that such a layer
 saves nothing of size [b, heads, n, m] for the backward; that megatron's no-grad forward and its recompute run the
 same kernel; that a T5 decoder passes its causal mask as is_causal (and decodes through the cache); an evaluation
-with a bias made with gradients; the CPU form of a trained mask; the bf16 sum of the mask's terms."""
+with a bias made with gradients; the CPU form of a trained mask; the bf16 sum of the mask's terms; and that the
+reference comparison fails on hand-made bugs (a weight not folded into Q', no 1 column for b2)."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,6 +90,30 @@ def test_fused_form_equals_float64_reference(spec, per_head):
             torch.testing.assert_close(fused[p], expected[p], rtol=1e-10, atol=1e-12, msg=f"{name}: {p}")
         # the CPU's fused kernel ran where the mask is not trained (random+dense: R is, so the math path)
         assert ops.seen.count(FLASH) == (0 if spec.startswith("random+") else 1), name
+
+
+@pytest.mark.parametrize("bug", ["a mixture weight not folded into Q'", "no 1 column for b2 in dense's Q'"])
+def test_the_reference_comparison_fails_on_a_hand_made_bug(bug, monkeypatch):
+    # the comparison of test_fused_form_equals_float64_reference, on a layer with the bug put in by hand: it must fail
+    attn = _layer("dense+vanilla", per_head=True).train()
+    b, n = 3, 11
+    x = torch.randn(b, n, CFG.d_model, dtype=torch.float64)
+    zero = torch.zeros(1, CFG.num_heads, n, n, dtype=torch.float64)
+    ref = _reference(attn, parse_mixers("dense+vanilla"), x, zero, None)
+    torch.testing.assert_close(attn(x, None, None), ref, rtol=1e-10, atol=1e-12)  # without the bug
+    if bug.startswith("a mixture weight"):
+        monkeypatch.setattr(attn, "_alpha", lambda: torch.ones_like(attn.mix))  # Q K^T and Q' K'^T unweighted
+    else:
+        dense = attn.synth["dense"]
+        factors = dense.factors
+
+        def without_one(x, start, m):
+            q, k = factors(x, start, m)
+            return torch.cat([q[..., :-1], torch.zeros_like(q[..., -1:])], dim=-1), k  # [relu(.), 0]: b2 is lost
+
+        monkeypatch.setattr(dense, "factors", without_one)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(attn(x, None, None), ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("spec, sdpa_calls", [("vanilla", 0), ("dense", 1), ("factorized_random", 0),
