@@ -1,10 +1,11 @@
 """The CUDA path rehearsed on a CPU machine (issue 47): the model on device "cuda" as fake tensors, through forward,
 loss, backward and torch's fused AdamW, for every mixer of the registry and every mixture a shipped config names, at
 tiny.yaml's and base.yaml's widths, in bf16 (DeepSpeed's cast of the weights, padded and unpadded batches, selective
-and full recompute), under bf16 autocast and in fp32; each gradient's device, dtype and shape checked, and every
-matmul's operands held to one dtype as the CUDA kernels hold them (tests/fake_cuda/rehearsal.py).
+and full recompute), under bf16 autocast and in fp32, at TP 1 (and TP 2 on torch's fake process group); each
+gradient's device, dtype and shape checked, every matmul's operands held to one dtype as the CUDA kernels hold them
+(tests/fake_cuda/rehearsal.py), and each attention call to the kernel rules of an H200 (tests/fake_cuda/sdpa_rules.py).
 
-The cases run in one fresh interpreter that preloads a fake CUDA device compiled from tests/fake_cuda/shim.cpp
+The cases run in a fresh interpreter per TP that preloads a fake CUDA device compiled from tests/fake_cuda/shim.cpp
 (ATen reads its CUDA hooks once, at `import torch`); each test reads its case's result. What fake tensors cannot
 reach (kernels, numerics, streams, events, pinned memory, NCCL, DeepSpeed's CUDA paths) is docs/cluster.md's list.
 """
@@ -24,7 +25,7 @@ from pretrain.data.fetch import default_cache
 from pretrain.model import MIXERS
 from pretrain.model.mixers import parse_mixers
 from tests.fake_cuda import build_shim, compiler, fake_cuda_env
-from tests.fake_cuda.rehearsal import VARIANTS, WIDTHS, StrictDtypes, case_id
+from tests.fake_cuda.rehearsal import VARIANTS, WIDTHS, StrictDtypes, case_id, parse_case
 from tests.fake_cuda.sdpa_rules import refusal, torch_choice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,10 @@ def shipped_mixtures() -> list[str]:
 
 
 SPECS = [*MIXERS, *shipped_mixtures()]
-CASES = [case_id(width, spec, variant) for width in WIDTHS for spec in SPECS for variant in VARIANTS]
+# TP 1 in every variant at both widths; TP 2 (torch's fake process group) at base width with padding, full recompute
+# and DeepSpeed's bf16 cast, the variant that reaches the most (it keeps the module under a minute on 2 cores)
+CASES = [case_id(width, 1, spec, variant) for width in WIDTHS for spec in SPECS for variant in VARIANTS] + \
+        [case_id("base", 2, spec, "bf16-padded-full") for spec in SPECS]
 NO_COMPILER = "no C++ compiler (c++, or $CXX): the fake CUDA device is built from tests/fake_cuda/shim.cpp; install g++"
 
 
@@ -63,10 +67,18 @@ def rehearsal(tmp_path_factory) -> dict[str, dict]:
     if compiler() is None:
         pytest.skip(NO_COMPILER)
     shim = build_shim(default_cache())
-    out = tmp_path_factory.mktemp("fake_cuda") / "results.json"
-    subprocess.run([sys.executable, "-m", "tests.fake_cuda.rehearsal", str(out), *CASES], cwd=REPO,
-                   env=fake_cuda_env(shim), check=True)
-    return json.loads(out.read_text())
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    runs = {}
+    for tp in sorted({parse_case(case)[1] for case in CASES}):  # megatron's groups: one TP per process, side by side
+        out = folder / f"tp{tp}.json"
+        runs[out] = subprocess.Popen([sys.executable, "-m", "tests.fake_cuda.rehearsal", str(out), str(tp),
+                                      *(case for case in CASES if parse_case(case)[1] == tp)],
+                                     cwd=REPO, env=fake_cuda_env(shim))
+    results = {}
+    for out, run in runs.items():
+        assert run.wait() == 0, f"the rehearsal of {out.stem} exited {run.returncode}"
+        results |= json.loads(out.read_text())
+    return results
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -3,9 +3,9 @@ per case, on device "cuda" of a CPU-only torch, with every gradient's device, dt
 strict dtype mode that refuses what CUDA refuses and fake tensors let pass.
 
 Run by tests/test_fake_cuda.py in a fresh interpreter that preloads the fake CUDA device (tests/fake_cuda/__init__.py):
-    python -m tests.fake_cuda.rehearsal OUT.json CASE [CASE ...]
-writes {case: {"error": None or the traceback, "sdpa": the distinct attention calls (SdpaCalls)}} for each case. A case is WIDTH-SPEC-VARIANT, e.g. base-random+vanilla-bf16-padded-full
-(`case_id`); the test module holds the list.
+    python -m tests.fake_cuda.rehearsal OUT.json TP CASE [CASE ...]
+writes {case: {"error": None or the traceback, "sdpa": the distinct attention calls (SdpaCalls)}} for each case. A case is WIDTH-tpTP-SPEC-VARIANT, e.g. base-tp1-random+vanilla-bf16-padded-full
+(`case_id`); the test module holds the list, and runs one interpreter per TP.
 """
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ from typing import Iterator
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.runtime.engine import DeepSpeedEngine
+from megatron.core import parallel_state
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pretrain.core.config import Config, ModelConfig, load_config
-from pretrain.distributed.parallel import init_single_process
+from pretrain.distributed.parallel import init_rng, init_single_process
 from pretrain.model import build_model
 
 aten = torch.ops.aten
@@ -113,8 +116,14 @@ def cuda_autocast_allowed() -> Iterator[None]:
         yield
 
 
-def case_id(width: str, spec: str, variant: str) -> str:
-    return f"{width}-{spec}-{variant}"
+def case_id(width: str, tp: int, spec: str, variant: str) -> str:
+    return f"{width}-tp{tp}-{spec}-{variant}"
+
+
+def parse_case(case: str) -> tuple[str, int, str, str]:
+    """case_id's (width, tp, spec, variant)."""
+    width, tp, spec, variant = case.split("-", 3)
+    return width, int(tp.removeprefix("tp")), spec, variant
 
 
 def model_config(width: str, spec: str) -> ModelConfig:
@@ -162,12 +171,24 @@ def train_step(width: str, spec: str, variant: str, sdpa: SdpaCalls) -> None:
         optimizer.step()
 
 
-def main(out: str, cases: list[str]) -> None:
-    init_single_process()
+def init_groups(tp: int) -> None:
+    """TP 1: a 1-process gloo group; TP > 1: this process as rank 0 of torch's fake process group of `tp` ranks (its
+    collectives return at once, which fake tensors need: nothing to add up), megatron's groups on it."""
+    if tp == 1:
+        init_single_process()
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    init_rng(0, cuda=False)
+
+
+def main(out: str, tp: int, cases: list[str]) -> None:
+    """Run `cases` (all of TP `tp`) and write their results to `out`."""
+    init_groups(tp)
     results = {}
     for case in cases:
-        width, rest = case.split("-", 1)
-        spec, variant = rest.split("-", 1)
+        width, case_tp, spec, variant = parse_case(case)
+        assert case_tp == tp, f"{case} is not a TP {tp} case"
         sdpa = SdpaCalls()
         try:
             train_step(width, spec, variant, sdpa)
@@ -181,4 +202,4 @@ def main(out: str, cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
