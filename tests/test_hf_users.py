@@ -104,10 +104,44 @@ def test_automodel_gives_the_encoder_decoder_without_the_lm_head(exports, name):
     ids, mask, dec = batch()
     with torch.no_grad():
         hidden = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state
-        logits = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[..., :1100]
     # our LM head on HF's decoder output gives our logits: the same encoder-decoder, every layer's mixers included
+    _assert_lm_head_gives_our_logits(ours, hidden, name)
+
+
+def _assert_lm_head_gives_our_logits(ours, hidden: torch.Tensor, name: str) -> None:
+    ids, mask, dec = batch()
+    with torch.no_grad():
+        logits = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[..., :1100]
     again = hidden @ ours.lm_head.weight[:1100].T
     assert ((again - logits).abs().max() / logits.abs().max()).item() < 1e-5, name
+
+
+AUTOMODEL_4 = """import sys, torch, transformers
+from transformers import AutoModel
+sys.path.insert(0, sys.argv[1])
+from hf_probe import batch
+ids, mask, dec = batch()
+found = {}
+for folder in sys.argv[3:]:
+    hf = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        found[folder] = (type(hf).__name__, hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state)
+torch.save({"version": transformers.__version__, **found}, sys.argv[2])
+"""
+
+
+def test_automodel_in_transformers_4(exports, transformers4_python, tmp_path):
+    out = tmp_path / "automodel4.pt"
+    folders = [str(folder) for _, folder in exports.values()]
+    done = subprocess.run([str(transformers4_python), "-c", AUTOMODEL_4, str(PROBE.parent), str(out), *folders],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = torch.load(out, weights_only=True)
+    assert found.pop("version") == "4.57.6"
+    for name, (ours, folder) in exports.items():
+        kind, hidden = found[str(folder)]
+        assert kind == ("T5Model" if name == "vanilla" else "SynthesizerT5Model"), name
+        _assert_lm_head_gives_our_logits(ours, hidden, name)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "mixture"])
