@@ -288,5 +288,6 @@ class TaskEvaluation:
         record = {f"eval/{split}/{k}": v for split, scores in results.items() for k, v in scores.items()}
         if self.rank == 0:
             write_results(self.run_dir, results, task_baselines(self.task, self.cfg.data.dir, self.cfg.eval.limit))
-            log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in record.items()))
+            log.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in record.items()))  # counts as counts
         return record
