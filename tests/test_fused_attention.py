@@ -194,10 +194,12 @@ def test_forward_and_recompute_take_the_same_kernel(spec, sdpa):
 @pytest.mark.parametrize("spec", ["dense+vanilla", "factorized_random"])
 def test_t5_decoder_passes_its_causal_mask_to_the_kernel(spec, monkeypatch):
     # position_bias none: every self-attention layer runs the flash kernel; an unpadded decoder passes is_causal
-    # and no mask, a padded one its mask; the model equals its materialised form (float64, loss and gradients)
-    calls = []
+    # and no mask, a padded one its mask; the model equals its materialised form (float64, loss and gradients).
+    # Cross-attention (its query length 7, its keys the encoder's 12) goes through SDPA too, never causal
+    calls, cross = [], []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: (
+        cross if q.shape[-2] != k.shape[-2] else calls).append(kw) or sdpa(q, k, v, **kw))
     cfg = dataclasses.replace(CFG, encoder_attention=spec, decoder_attention=spec, position_bias="none",
                               num_layers=2, num_decoder_layers=2)
     g = torch.Generator().manual_seed(1)
@@ -216,9 +218,11 @@ def test_t5_decoder_passes_its_causal_mask_to_the_kernel(spec, monkeypatch):
                 causal = [k["is_causal"] for k in calls]
                 assert causal == [False, False] + [dec_mask is None] * 2  # encoder layers, then decoder layers
                 assert all((k["attn_mask"] is None) == (c or i < 2) for i, (k, c) in enumerate(zip(calls, causal)))
+                assert [k["is_causal"] for k in cross] == [False, False]  # one a decoder layer
             else:
                 assert not calls
             calls.clear()
+            cross.clear()
         torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=0)
         for name in results[1][1]:
             torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-9, atol=1e-12, msg=name)

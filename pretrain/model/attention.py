@@ -23,9 +23,7 @@ trained mask, except for layers of Q' K'^T mixers alone other than vanilla and f
 dense+vanilla, factorized_random+vanilla: `cpu_math_wins`), where SDPA's math path measured less memory and at least
 the same speed; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
-storing its activations (Megatron's selective recompute). Eager CPU training of a vanilla-only layer with a trained
-bias and without attention dropout runs the materialised core as one autograd function that reads Q, K, V in the
-fused projection's layout and writes their gradients back into it (pretrain/model/cpu_autograd.py).
+storing its activations (Megatron's selective recompute).
 """
 from __future__ import annotations
 
@@ -40,12 +38,6 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from pretrain.core.config import ModelConfig, UsageError
-from pretrain.model.cpu_autograd import (
-    CrossAttentionFunction,
-    VanillaAttentionFunction,
-    head_views,
-    use_cpu_autograd,
-)
 from pretrain.model.init import init_scope
 from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
@@ -131,7 +123,9 @@ def _split_heads(fused: torch.Tensor, heads: int, parts: int, d_kv: int) -> tupl
     sum again (select_backward + add + clone: ~130 ms of a 7.3 s one-thread T5-small CPU step; the stack ~45 ms).
     On the CPU the parts are copied to contiguous tensors, as the matmuls would copy them anyway; CUDA kernels
     take the strided views."""
-    return tuple(t.contiguous() if t.device.type == "cpu" else t for t in head_views(fused, heads, parts, d_kv))
+    b, n, _ = fused.shape
+    parts_ = fused.view(b, n, heads, parts, d_kv).unbind(3)  # [b, n, heads/tp, d_kv] each
+    return tuple(t.transpose(1, 2).contiguous() if t.device.type == "cpu" else t.transpose(1, 2) for t in parts_)
 
 
 def _softmax(logits: torch.Tensor, additive: torch.Tensor | None, dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
@@ -231,10 +225,6 @@ class SelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         mask_grad = self._mask_grad(additive, vanilla_bias)
         sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not mask_grad or self.cpu_math_wins
-        if (self.mixers == ("vanilla",) and not sdpa and cache is None and p == 0 and vanilla_bias is None
-                and not (self.recompute and self.training) and use_cpu_autograd(x)):
-            # eager CPU training: Q, K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
-            return self.o(VanillaAttentionFunction.apply(self.qkv(x), additive, self.heads, self.d_kv))
         if "vanilla" in self.mixers:
             q, k, v = _split_heads(self.qkv(x), self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:
@@ -352,9 +342,6 @@ class CrossAttention(nn.Module):
         """x [b, n, d]; memory_kv: `project_memory`'s; mask additive [b, 1, 1, m] or None."""
         b, n, _ = x.shape
         p = self.dropout if self.training else 0.0
-        if p == 0 and torch.is_grad_enabled() and use_cpu_autograd(x):
-            # eager CPU training: K, V and their gradients stay in the fused projection's layout (cpu_autograd.py)
-            return self.o(CrossAttentionFunction.apply(self.q(x), memory_kv, mask, self.heads, self.d_kv))
         q = self.q(x).view(b, n, self.heads, self.d_kv).transpose(1, 2)  # [b, heads/tp, n, d_kv]
         k, v = _split_heads(memory_kv, self.heads, 2, self.d_kv)
         backend = sdpa_backend(q.device, q.dtype, mask is not None, False, p, self.d_kv)  # the mask: no gradient

@@ -21,8 +21,6 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from pretrain.model.cpu_autograd import use_cpu_autograd
-
 IGNORE_INDEX = -100  # the label of a target position the loss skips (padding): torch's and HF's default
 _FLOOR = -50.0  # log-probability floor relative to the row maximum, before normalisation
 
@@ -65,38 +63,8 @@ class _FlooredVocabParallelCrossEntropy(_VocabParallelCrossEntropy):
         return *_VocabParallelCrossEntropy.backward(ctx, grad_output)[:2], None
 
 
-class _FlooredCrossEntropy(torch.autograd.Function):
-    """TP = 1, eager CPU: the same floored loss and gradient in fewer passes over the [b, m, V] logits (58 MB
-    each for T5-small's [4, 114, 32128]): the row maximum, one clamp to the floor into a new tensor, and torch's
-    softmax in place on it, whose per-row kernel keeps each 128 KB row in cache through its max, exp, sum and
-    scale. That reads the logits 3 times and writes them twice, where the chain above (amax, sub, clamp_, exp_,
-    sum, div_) reads 6 times and writes 4 times."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits_max = logits.amax(dim=-1, keepdim=True)  # [b, m, 1]
-        probs = torch.clamp(logits, min=logits_max + _FLOOR)  # [b, m, V], a new tensor: the logits stay intact
-        torch.softmax(probs, dim=-1, out=probs)  # in place: each row is read before it is written
-        label = target[..., None]  # [b, m, 1]
-        label_logit = logits.gather(-1, label)
-        # log(sum exp(floored - max)) - (label logit - max) = -log p(label) + (floored label logit - label logit):
-        # the label's logit before the floor, so a very unlikely label keeps its true (large) loss
-        loss = (label_logit.clamp(min=logits_max + _FLOOR) - label_logit).sub_(probs.gather(-1, label).log_())
-        ctx.save_for_backward(probs, label)
-        return loss[..., 0]
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        probs, label = ctx.saved_tensors
-        # (softmax - onehot(label)) * grad_output, in place in the softmax, as megatron's backward
-        probs.scatter_add_(-1, label, probs.new_full(label.shape, -1.0))
-        return probs.mul_(grad_output[..., None]), None
-
-
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                                  tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Per-token loss [b, m] (fp32) of logits [b, m, V/tp] sharded over `tp_group` (the model's; None: one
     unsharded [b, m, V]) against global label ids [b, m]."""
-    if use_cpu_autograd(logits) and (tp_group is None or tp_group.size() == 1):
-        return _FlooredCrossEntropy.apply(logits, labels)
     return _FlooredVocabParallelCrossEntropy.apply(logits, labels, tp_group)

@@ -21,7 +21,6 @@ from torch import nn
 from pretrain.core.config import ModelConfig, UsageError
 from pretrain.distributed.parallel import padded_vocab_size, tensor_parallel_group
 from pretrain.model.attention import CrossAttention, RelativePositionBias, SelfAttention, add_optional, bias_placement
-from pretrain.model.cpu_autograd import GatedGeluFunction, RMSNormFunction, use_cpu_autograd
 from pretrain.model.init import init_scope, model_init
 from pretrain.model.layers import ColumnLinear, RowLinear
 from pretrain.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -38,25 +37,17 @@ class T5Output:
 class RMSNorm(nn.Module):
     """T5LayerNorm: scale only, no mean subtraction, no bias."""
 
-    # None: the hand-written CPU form where use_cpu_autograd(x) says so; True: always (the planner's CPU trace,
-    # which runs on the meta device, so that it counts what the CPU form saves)
-    cpu_autograd: bool | None = None
-
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_cpu_autograd(x) if self.cpu_autograd is None else self.cpu_autograd:
-            return RMSNormFunction.apply(x, self.weight, self.eps)  # eager CPU: pretrain/model/cpu_autograd.py
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class GatedFFN(nn.Module):
     """wo(gelu_tanh(wi_0 x) * wi_1 x); wi_0 and wi_1 fused in one column-parallel GEMM."""
-
-    cpu_autograd: bool | None = None  # as RMSNorm.cpu_autograd
 
     def __init__(self, cfg: ModelConfig, mp_config) -> None:
         super().__init__()
@@ -74,11 +65,8 @@ class GatedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.wi(x)  # [b, n, 2 d_ff/tp]: [gate | linear]
-        if use_cpu_autograd(h) if self.cpu_autograd is None else self.cpu_autograd:
-            h = GatedGeluFunction.apply(h)  # [b, n, d_ff/tp]; eager CPU: pretrain/model/cpu_autograd.py
-        else:
-            gate, linear = h.chunk(2, dim=-1)  # [b, n, d_ff/tp] each
-            h = F.gelu(gate, approximate="tanh") * linear
+        gate, linear = h.chunk(2, dim=-1)  # [b, n, d_ff/tp] each
+        h = F.gelu(gate, approximate="tanh") * linear
         if self.training and self.dropout > 0:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # sharded activation: per-TP-rank mask
                 h = F.dropout(h, self.dropout)

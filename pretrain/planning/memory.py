@@ -132,11 +132,6 @@ def meta_model(cfg: Config, tp: int, device: str = "cuda") -> torch.nn.Module:
     with tp_shapes(tp):
         # sdpa None picks the path from the tensors' device at run time, which on meta is not the job's
         model = build_model(cfg.model, sdpa=True if device == "cuda" else None, device="meta")
-    if device == "cpu" and cfg.precision == "fp32":  # RMSNorm and the gated GELU as CPU fp32 training runs them:
-        # they save less than the plain forms (pretrain/model/cpu_autograd.py)
-        for module in model.modules():
-            if hasattr(module, "cpu_autograd"):
-                module.cpu_autograd = True
     return model.to(_DTYPES[cfg.precision])
 
 
