@@ -43,6 +43,12 @@ SLOW_S = {
     "tests/test_bench.py::test_throughput_table_under_torchrun": 13,
     "tests/test_finetune_faults.py::test_an_export_that_tp_does_not_split_is_one_line_before_the_lock": 12,
     "tests/test_faults.py::test_a_usage_error_on_rank_1_only_is_the_last_line_the_launcher_prints": 11,
+    # 2026-12-04, one file alone: the fake-CUDA rehearsal runs every case in its module fixture (43.6 s at load
+    # 2.4), each of its 117 cases then reads a result; the HF users' exports build in ~5 s, their file takes 32 s
+    "tests/test_fake_cuda.py::rehearsal": 45,
+    "tests/test_fake_cuda.py::test_cuda_train_step": 0.05,
+    "tests/test_hf_users.py::exports": 5,
+    "tests/test_hf_users.py::test_automodel_in_transformers_4": 7,
 }
 OTHER_TEST_S = 2.0
 SHARED_FIXTURE_S = 30.0
