@@ -57,7 +57,13 @@ from tokenizer.spm import Tokenizer
 log = logging.getLogger(__name__)
 
 ENCODE_BATCH = 512  # documents per sentencepiece call: amortises the call, bounds memory
-_TEMPORARY: list[Path] = []  # this process's shards being written: a signal to a worker removes them
+_WORKING: list[Path] = []  # the folder this process writes into: a signal to a worker removes its temporary files
+
+
+def _remove_temporary(folder: Path) -> None:
+    """This process's temporary files in `folder`: shards and a sidecar or index being written (`NAME.tmpPID`)."""
+    for tmp in folder.glob(f"*.tmp{os.getpid()}"):
+        tmp.unlink(missing_ok=True)
 
 
 def _sidecar(tar: Path) -> Path:
@@ -78,8 +84,8 @@ def prepare_file(
              "bytes": os.path.getsize(source), "format": FORMAT_VERSION, "parts": {}}
     pack: dict = {"ids": [], "urls": [], "tokens": 0}  # the pack being filled
     part: dict = {}  # the shard being filled: its name, temporary file, writer and counts
-    temporary = _TEMPORARY
-    temporary.clear()
+    temporary: list[Path] = []  # the shards written so far, renamed once the file is done
+    _WORKING[:] = [tar.parent]
 
     def open_part() -> None:
         name = part_name(tar, len(stats["parts"]))
@@ -145,8 +151,7 @@ def prepare_file(
         if part:
             with contextlib.suppress(OSError):  # its buffer's flush fails as the write did
                 part["file"].close()
-        for tmp in temporary:
-            tmp.unlink(missing_ok=True)
+        _remove_temporary(tar.parent)
         if (failure := storage_failure(e)) is not None and failure.filename:  # its filename must cross to the pool's
             raise OSError(failure.errno, failure.strerror, failure.filename) from None  # parent: in the arguments
         e.add_note(f"while preparing {source} into {tar}")  # a bug's traceback names the file too
@@ -216,10 +221,10 @@ def _stop(signum: int, frame) -> None:
 
 
 def _worker_exit(signum: int, frame) -> None:
-    """A worker's SIGTERM: its temporary shards removed, then gone at once (an exception would end one file, and the
+    """A worker's SIGTERM: its temporary files removed, then gone at once (an exception would end one file, and the
     pool's worker would go on with the next one queued)."""
-    for tmp in _TEMPORARY:
-        tmp.unlink(missing_ok=True)
+    for folder in _WORKING:
+        _remove_temporary(folder)
     os._exit(128 + signum)
 
 
@@ -302,12 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         p.error(str(e))
     except Stopped as e:
+        _remove_temporary(args.output)  # an index being written
         print(f"pretrain.data.prepare: stopped by {e}; the input files done are kept and the same command continues",
               file=sys.stderr)
         sys.exit(128 + signal.Signals[str(e)].value)
     except Exception as e:
         if (failure := storage_failure(e)) is None:
             raise
+        _remove_temporary(args.output)
         print(f"pretrain.data.prepare: {describe_storage_failure(failure)}; the input files done are kept: free space "
               "and run the same command again", file=sys.stderr)
         sys.exit(1)
