@@ -46,3 +46,15 @@ def test_plot_errors_are_one_line(tmp_path: Path) -> None:
         assert done.returncode == 2
         assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_figure_is_titled_with_its_metrics_axis_and_runs(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.figure
+
+    titles = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: titles.append(self.get_suptitle()) or save(self, *a, **k))
+    a = _run(tmp_path / "small" / "pretrain", [4.0, 3.0, 2.5, 2.2], evals=True)
+    assert main([str(a), "--output", str(tmp_path / "plot.png"), "--x", "tokens_seen"]) in (0, None)
+    assert titles == ["loss, eval_loss against tokens_seen: pretrain"]  # the metrics it has, the run by its folder
