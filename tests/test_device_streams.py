@@ -40,6 +40,9 @@ class Stream:
     def wait_stream(self, other: Stream) -> None:
         self.log.append(("wait_stream", self.name, other.name))
 
+    def wait_event(self, event: Event) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
     def record_event(self) -> Event:
         event = Event(self.log, f"{self.name}.event", False, 0.0)
         self.log.append(("record", event.name))
@@ -139,5 +142,7 @@ def test_staged_copies_go_on_a_side_stream_behind_the_compute_stream_and_end_wit
     assert staged["view"].untyped_storage().data_ptr() == staged["flat"].untyped_storage().data_ptr()  # still a view
     done = copies.copied()
     assert streams.log[-1] == ("record", "side.event") and done.name == "side.event"  # after every copy
+    copies.wait_before_update(done)  # the loop's next optimizer step: the compute stream waits, not the host
+    assert streams.log[-1] == ("wait_event", "compute", "side.event")
     assert copies.copied() is None  # nothing queued since: nothing to wait for
     assert HostCopies().copy(flat.untyped_storage()).data_ptr() != storages[0]  # the CPU's form: a clone

@@ -263,7 +263,7 @@ class CheckpointManager:
         """The loop, before each optimizer step: on CUDA, the step's kernels wait for a background save's copies of
         what the step changes (on the device: the host goes on); nothing otherwise."""
         if self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
+            self._host.wait_before_update(self._copied)
             self._copied = None
 
     @property

@@ -78,6 +78,7 @@ class HostCopies:
         self.buffers = HostBuffers(pin=True)  # allocates only for a CUDA storage
         self.streams = streams
         self._stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None  # the CUDA device of the copies
         self._queued = False  # a copy is on the side stream since the last `copied()`
 
     def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -85,7 +86,7 @@ class HostCopies:
         if streams is None:
             return storage.clone()  # the next step changes it in place
         if self._stream is None:
-            self._stream = streams.side_stream(storage.device)
+            self._stream, self._device = streams.side_stream(storage.device), storage.device
         self._stream.wait_stream(streams.current_stream(storage.device))
         host = self.buffers.take(storage.nbytes())
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -101,6 +102,12 @@ class HostCopies:
             return None
         self._queued = False
         return self._stream.record_event()
+
+    def wait_before_update(self, copied: torch.cuda.Event) -> None:
+        """The loop's next optimizer step, queued on the compute stream, waits on the device for `copied` (the
+        event `copied()` returned): the step changes in place what the copies read; the host goes on."""
+        streams = self.streams or streams_for(self._device)
+        streams.current_stream(self._device).wait_event(copied)
 
 
 def snapshot(obj: Any, copies: HostCopies, memo: dict | None = None) -> Any:
