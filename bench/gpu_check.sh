@@ -12,7 +12,8 @@
 #                  random+vanilla (the trainer's step; median, IQR, tokens/s, TFLOP/s, MFU, peak memory)
 #   3. attention   bench.attention: each mixer's attention core, fused (one SDPA call, the kernel it names) against
 #                  materialised logits, N 512-2048, with and without T5's bias (time, memory; rows as they finish)
-#   4. pipeline    50-step pretraining of configs/tiny.yaml in bf16, export, fine-tuning with evaluation (sst2)
+#   4. pipeline    50-step pretraining of configs/tiny.yaml in bf16 (an asynchronous save at step 25), export,
+#                  fine-tuning with evaluation (sst2)
 # Every section runs under a time limit (30 + 40 + 40 + 130 + 80 + 110 s, each killed 5 s after its limit: under
 # 8 minutes in all); a failure is recorded and the next section still runs; the benchmarks print each row as it
 # finishes, so a section cut by its limit keeps its rows in its log. OUT_DIR (default $OUT, else
@@ -145,7 +146,8 @@ pipeline() {
     "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m pretrain.train --config configs/tiny.yaml \
         "run.dir=$WORK/pretrain" "data.train=$DATA/shards/train" "data.valid=$DATA/shards/valid" \
         "data.tokenizer=$DATA/tokenizer/spiece.model" "precision=$PRECISION" "train.steps=$PIPELINE_STEPS" \
-        train.global_batch=4 checkpoint.every=0 "eval.every=$PIPELINE_STEPS" log.every=10
+        train.global_batch=4 "checkpoint.every=$((PIPELINE_STEPS / 2))" checkpoint.async_save=true \
+        "eval.every=$PIPELINE_STEPS" log.every=10  # a background save mid-run: its CUDA copies (side stream, event)
     "$PY" -m pretrain.export --run "$WORK/pretrain" --output "$WORK/export"
     "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m pretrain.finetune \
         --config configs/finetune/polarity.yaml "init=$WORK/export" "data.dir=$DATA/polarity" \
