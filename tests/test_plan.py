@@ -363,3 +363,30 @@ def test_sizes_print_in_the_unit_that_fits_and_the_advice_stays_within_the_run(c
     # wall time, and no periodic cadence fixes that within the 40 steps: the advice says so instead of every=18350
     advised = re.search(r"set checkpoint\.every=(\d+)", err)
     assert advised and int(advised.group(1)) == 0 and "(one save, at the end of the 40 steps)" in err, err
+
+
+@pytest.mark.parametrize("spec, per_layer", [
+    ("random+vanilla", lambda c: {"random": c.num_heads * c.max_length**2}),  # R: [h, N, N]
+    ("dense+vanilla", lambda c: {"dense": c.num_heads * c.d_kv * c.max_length + c.num_heads * c.max_length}),  # W2, b2
+    ("vanilla", lambda c: {}),
+])
+def test_the_planner_states_the_parameters_bound_to_max_length(capsys, spec, per_layer):
+    # issue 46: the parameters that grow with model.max_length, by mixer, against the paper's shapes (at TP 2 each
+    # rank holds half the heads); none for a vanilla model
+    over = [f"model.encoder_attention={spec}", f"model.decoder_attention={spec}", "model.max_length=1024"]
+    assert main(["--config", "configs/base.yaml", "--nodes", "1", "--gpus-per-node", "8", "parallel.tensor=2",
+                 *over]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(Config, "configs/base.yaml", over).model
+    layers = cfg.num_layers + (cfg.num_decoder_layers or cfg.num_layers)
+    expected = {name: n * layers // 2 for name, n in per_layer(cfg).items()}
+    line = [x for x in out.splitlines() if "bound to model.max_length" in x]
+    if not expected:
+        assert not line
+        return
+    from pretrain.planning.memory import length_bound_params
+    from pretrain.planning.planner import _resolved
+
+    assert length_bound_params(_resolved(load_config(Config, "configs/base.yaml", [*over, "parallel.tensor=2"])),
+                               2) == expected
+    assert line and line[0].startswith("  of which bound to model.max_length 1024: ")

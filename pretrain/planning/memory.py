@@ -26,6 +26,7 @@ each layer's backward frees its saved tensors as it creates gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -138,6 +139,22 @@ def meta_model(cfg: Config, tp: int, device: str = "cuda") -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------------
 # Model states
 # ---------------------------------------------------------------------------------------------------------
+def length_bound_params(cfg: Config, tp: int) -> dict[str, int]:
+    """Parameters of this TP rank's shard that grow with `model.max_length` N, by mixer (Random's [h, N, N],
+    Dense's W2 [d_kv, N] and b2 per head, the factorized mixers' factors): the ones whose size changes with N,
+    found by building the model at N and N + 1 on the meta device."""
+    sizes = []
+    for n in (cfg.model.max_length, cfg.model.max_length + 1):
+        longer = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=n))
+        sizes.append({name: p.numel() for name, p in meta_model(longer, tp).named_parameters()})
+    bound: dict[str, int] = {}
+    for name, numel in sizes[0].items():
+        if sizes[1].get(name) != numel:
+            mixer = name.split(".synth.", 1)[1].split(".", 1)[0] if ".synth." in name else name.rsplit(".", 1)[0]
+            bound[mixer] = bound.get(mixer, 0) + numel
+    return bound
+
+
 def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, optimizer: str,
                       factored_elements: int = 0) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) in bytes per GPU for `num_params` parameters of one TP shard.

@@ -38,7 +38,7 @@ from pretrain.planning.checkpoint import (
     warning,
 )
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
-from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory
+from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory, length_bound_params
 from pretrain.planning.units import binary_size, count
 from pretrain.runtime.engine import build_deepspeed_config
 
@@ -196,6 +196,18 @@ def _with(cfg: Config, section: str, **changes) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
+def _length_line(cfg: Config, layout: Layout, est: MemoryEstimate) -> list[str]:
+    """The parameters bound to model.max_length N, by mixer (none for vanilla-only models): they grow as N^2
+    (random, fixed_random: [h, N, N]) or N (dense, the factorized mixers), so a longer context costs them."""
+    bound = length_bound_params(_resolved(cfg), layout.tp)
+    if not bound:
+        return []
+    parts = ", ".join(f"{name} {count(n)}" for name, n in sorted(bound.items()))
+    total = sum(bound.values())
+    return [f"  of which bound to model.max_length {cfg.model.max_length}: {parts} ({count(total)}, "
+            f"{100 * total / est.num_params:.1f}%; random and fixed_random grow as N^2, the others as N)"]
+
+
 def _data_line(cfg: Config, layout: Layout) -> str:
     """What the run reads, as far as the config says (the shards themselves are the loader's to open and check), and
     the DP sizes its lanes let it use and move between on a requeue (pretrain/data/loader.py, `dp_sizes`)."""
@@ -241,6 +253,7 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_p
         f"global batch {cfg.train.global_batch} = micro {layout.micro_batch} x accumulation {layout.accumulation} "
         f"x DP {layout.dp}; {layout.tokens_per_step:,} tokens/step ({layout.input_length} + {layout.target_length})",
         f"model: {count(est.num_params)} parameters per GPU (TP shard), vocabulary rows {layout.vocab_rows}",
+        *_length_line(cfg, layout, est),
         _data_line(cfg, layout),
         "memory per GPU:",
         f"  parameters           {g(est.params)}",
