@@ -159,34 +159,36 @@ def prepare_file(
     return stats
 
 
-def _parts(tar: Path) -> dict[str, dict]:
+def _parts(tar: Path, sidecar: dict) -> dict[str, dict]:
     """The shards of a prepared input file by name, from its sidecar (one written before files were cut into parts
     describes its one shard)."""
-    sidecar = json.loads(_sidecar(tar).read_text())
     return sidecar.get("parts") or {tar.name: {k: sidecar[k] for k in ("documents", "tokens", "packs")}}
 
 
-def _finished(tar: Path) -> bool:
-    """An input file prepared in the current format: its sidecar and every shard it lists exist (shards of an
+def _finished(tar: Path) -> dict | None:
+    """The sidecar of an input file prepared in the current format whose shards all exist, else None (shards of an
     older format are rebuilt)."""
-    return (_sidecar(tar).is_file() and json.loads(_sidecar(tar).read_text()).get("format") == FORMAT_VERSION
-            and all((tar.parent / name).is_file() for name in _parts(tar)))
+    if not _sidecar(tar).is_file():
+        return None
+    sidecar = json.loads(_sidecar(tar).read_text())
+    done = sidecar.get("format") == FORMAT_VERSION and all((tar.parent / n).is_file() for n in _parts(tar, sidecar))
+    return sidecar if done else None
 
 
 def write_index(output: Path, shards: list[Path], tokenizer_path: str) -> dict:
     """index.json over every prepared input file: "inputs" (each file's sidecar, by its first shard's name: source,
     bytes, bad input, its shards under "parts") and "shards" (an entry per shard: documents, tokens, packs, source);
     `complete` says whether all input files are done."""
-    done = [tar for tar in shards if _finished(tar)]
-    files = {tar: json.loads(_sidecar(tar).read_text()) for tar in done}
-    entries = {name: {**counts, "source": files[tar]["source"]} for tar in done for name, counts in _parts(tar).items()}
+    files = {tar: sidecar for tar in shards if (sidecar := _finished(tar)) is not None}  # each sidecar read once
+    entries = {name: {**counts, "source": sidecar["source"]} for tar, sidecar in files.items()
+               for name, counts in _parts(tar, sidecar).items()}
     tok = Tokenizer(tokenizer_path)
     index = {
-        "complete": len(done) == len(shards),
+        "complete": len(files) == len(shards),
         "format": FORMAT_VERSION,
         "tokenizer_sha256": hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest(),
         "num_ids": tok.num_ids,
-        "inputs": {tar.name: files[tar] for tar in done},
+        "inputs": {tar.name: sidecar for tar, sidecar in files.items()},
         "documents": sum(e["documents"] for e in files.values()),
         "tokens": sum(e["tokens"] for e in files.values()),
         # .get: a shard prepared before a kind was added lacks it (its sidecar's format is the same)
@@ -245,7 +247,7 @@ def prepare(
     output.mkdir(parents=True, exist_ok=True)
     shards = [output / shard_name(i) for i in range(len(files))]
     _check_output(output, shards, tokenizer_path)
-    todo = [(f, s) for f, s in list(zip(files, shards))[task_index::num_tasks] if not _finished(s)]
+    todo = [(f, s) for f, s in list(zip(files, shards))[task_index::num_tasks] if _finished(s) is None]
     skipped = len(files[task_index::num_tasks]) - len(todo)
     if skipped:
         log.info("%d input files already prepared, skipped", skipped)
