@@ -132,6 +132,15 @@ def epoch_progress(spec: StreamSpec, stream: int, position: dict) -> float:
     return position["epoch"] + done / max(1, sum(docs))
 
 
+def _take(handed: list) -> tuple:
+    """The items of a list a generator yielded to hand them over, the list emptied: a suspended generator keeps its
+    locals, so the readers below yield their pack in a list and hold no reference to it once it is taken (a live
+    stream holds one copy of its text, not one per generator frame)."""
+    items = tuple(handed)
+    handed.clear()
+    return items
+
+
 def _read_checked(spec: StreamSpec, shard: int, skip_docs: int,
                   damaged: dict[int, int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(index of the first document, token ids, tokens per document) of each pack of shard `shard`, from the
@@ -207,8 +216,7 @@ def _unit_packs(spec: StreamSpec, unit: tuple[int, int, int], doc: int,
     its document `doc` on, the last pack cut at the unit's end."""
     shard, _, end = unit
     for pack in _read_checked(spec, shard, doc, damaged):
-        first, tokens, lengths = pack
-        pack.clear()
+        first, tokens, lengths = _take(pack)
         if 0 <= end <= first:
             return
         flat, starts = _with_eos(tokens, lengths, spec.eos_id)
@@ -248,8 +256,7 @@ def blocks(spec: StreamSpec, stream: int, position: dict, damaged: dict[int, int
         read = 0
         for ui in range(unit, len(order)):
             for pack in _unit_packs(spec, spec.units[order[ui]], doc, damaged):
-                first, flat, starts = pack
-                pack.clear()
+                first, flat, starts = _take(pack)
                 skip = starts[doc - first] + offset if first <= doc else 0
                 pieces.append(flat[skip:])
                 total += len(flat) - skip
