@@ -13,6 +13,9 @@ before each step), on CUDA torch's allocator peak. The projections (Q, K, V, out
 same in both forms. `chosen` is the form the layer takes for training on that device (attention.py: the fused one where
 it has one and, on the CPU, its mask needs no gradient or its math path measured faster: `cpu_math_wins`); `kernel`
 the SDPA kernel its fused form names (pretrain/model/sdpa.py). Layers without a mixer of Q' K'^T form have no fused form (`-`).
+`planned` is the planner's figure for each form's step (pretrain/planning/memory.py `core_bytes`: the tensors it
+counts as the core's activations on this device, traced on meta, plus the gradients the step leaves), to read beside
+the measured peak.
 
 On CUDA, after those rows, `vanilla (flex)` rows time FlexAttention (`torch.nn.attention.flex_attention`, compiled)
 with T5's bias computed inside the kernel from its trained [heads, buckets] table (score_mod; no [b, heads, n, m]
@@ -36,6 +39,7 @@ from pretrain.distributed.parallel import init_single_process
 from pretrain.model import sdpa
 from pretrain.model.attention import RelativePositionBias, SelfAttention
 from pretrain.model.mixers import parse_mixers
+from pretrain.planning.memory import core_bytes
 
 MIXERS = ["vanilla", "dense", "factorized_random", "dense+vanilla", "factorized_random+vanilla", "random+vanilla",
           "random", "factorized_dense"]
@@ -80,19 +84,35 @@ def _recording_kernels() -> list[str]:
     return names
 
 
+def core_forward(attn: SelfAttention, form: str, inputs: dict) -> torch.Tensor:
+    """The layer's core in `form` (fused / materialised)."""
+    x, q, k, v, additive = (inputs[key] for key in ("x", "q", "k", "v", "additive"))
+    n = x.shape[1]
+    if form == "fused":
+        return attn._fused(x, q, k, v, additive, None, 0, n, 0.0, mask_grad=attn._mask_grad(additive, None))
+    return attn._mixed(x, q, k, v, additive, None, 0, n, 0.0)
+
+
 def core_step(attn: SelfAttention, form: str, inputs: dict, grad: torch.Tensor) -> None:
     """One forward + backward of the layer's core in `form` (fused / materialised)."""
     attn.zero_grad(set_to_none=True)
     for t in inputs.values():
         if isinstance(t, torch.Tensor):
             t.grad = None
-    x, q, k, v, additive = (inputs[key] for key in ("x", "q", "k", "v", "additive"))
-    n = x.shape[1]
-    if form == "fused":
-        out = attn._fused(x, q, k, v, additive, None, 0, n, 0.0, mask_grad=attn._mask_grad(additive, None))
-    else:
-        out = attn._mixed(x, q, k, v, additive, None, 0, n, 0.0)
-    out.backward(grad)
+    core_forward(attn, form, inputs).backward(grad)
+
+
+def planned(attn: SelfAttention, meta: SelfAttention, form: str, inputs: dict, device: torch.device) -> int:
+    """The planner's bytes for a core_step just run (`planned` column): what pretrain/planning/memory.py counts for the
+    core on this device (saved for the backward, the CUDA mask gradient's transient; traced on meta) plus the
+    gradients the step leaves (the inputs' and the parameters', which a model frees or keeps elsewhere); `meta` the
+    same layer built on the meta device."""
+    on_meta = {key: t.detach().to("meta").requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+               for key, t in inputs.items()}
+    saved, transient = core_bytes(lambda: core_forward(meta, form, on_meta), device.type,
+                                  exclude=[*meta.parameters(), *(t for t in on_meta.values() if t is not None)])
+    tensors = [*attn.parameters(), *(t for t in inputs.values() if isinstance(t, torch.Tensor))]
+    return saved + transient + sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None)
 
 
 def measure(attn: SelfAttention, form: str, inputs: dict, grad: torch.Tensor) -> tuple[float, int]:
@@ -201,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     init_single_process()
     print(f"attention core fwd + bwd, {args.device} {args.dtype}, batch {args.batch}, {args.heads} heads of "
           f"{args.d_kv}, {torch.get_num_threads()} threads; ratio = fused / materialised", flush=True)
-    print("| mixer | N | bias | materialised s | MiB | fused s | MiB | time ratio | memory ratio | chosen | kernel |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| mixer | N | bias | materialised s | MiB | fused s | MiB | time ratio | memory ratio | chosen | kernel | "
+          "planned MiB (materialised / fused) |\n|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     def cfg_of(n: int) -> ModelConfig:
         return ModelConfig(d_model=args.heads * args.d_kv, d_kv=args.d_kv, num_heads=args.heads, max_length=n,
                            factorized_k=8, mixture_per_head=False)
@@ -211,8 +231,10 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.lengths:
             cfg = cfg_of(n)
             torch.manual_seed(0)
-            attn = SelfAttention(cfg, parse_mixers(spec), ModelParallelConfig(use_cpu_initialization=True), 0, 1)
-            attn = attn.to(device, dtype).train()
+            make = lambda: SelfAttention(cfg, parse_mixers(spec), ModelParallelConfig(use_cpu_initialization=True), 0, 1)  # noqa: E731
+            attn = make().to(device, dtype).train()
+            with torch.device("meta"):
+                meta = make().to(dtype).train()
             for bias in (False, True):
                 inputs = _inputs(attn, cfg, args.batch, bias, device, dtype)
                 grad = torch.randn(args.batch, attn.heads, n, args.d_kv, device=device, dtype=dtype)
@@ -232,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
                     [f"{ft:.3f}", f"{fm / 2**20:.0f}", f"{ft / mt:.2f}", f"{fm / max(mm, 1):.2f}"] if attn.dot else
                     ["-"] * 4)
                 kernel = kernels[-1] if attn.dot else "-"
-                print(f"| {spec} | {n} | {'yes' if bias else 'no'} | " + " | ".join(cells) + f" | {chosen} | {kernel} |",
-                      flush=True)
+                plan = {}
+                for form in forms:  # each form's gradients as its step left them
+                    core_step(attn, form, inputs, grad)
+                    plan[form] = f"{planned(attn, meta, form, inputs, device) / 2**20:.0f}"
+                print(f"| {spec} | {n} | {'yes' if bias else 'no'} | " + " | ".join(cells) + f" | {chosen} | {kernel} | "
+                      f"{plan['materialised']} / {plan.get('fused', '-')} |", flush=True)
                 del inputs, grad
             del attn
     if device.type == "cuda" and "vanilla" in args.mixers:

@@ -11,14 +11,18 @@
 #   2. throughput  bench.throughput at configs/base.yaml, bf16: vanilla, dense, random, factorized_random,
 #                  random+vanilla (the trainer's step; median, IQR, tokens/s, TFLOP/s, MFU, peak memory)
 #   3. attention   bench.attention: each mixer's attention core, fused (one SDPA call, the kernel it names) against
-#                  materialised logits, N 512-2048, with and without T5's bias (time, memory; rows as they finish)
-#   4. pipeline    50-step pretraining of configs/tiny.yaml in bf16 (an asynchronous save at step 25), export,
-#                  fine-tuning with evaluation (sst2)
-# Every section runs under a time limit (30 + 40 + 40 + 130 + 80 + 110 s, each killed 5 s after its limit: under
-# 8 minutes in all); a failure is recorded and the next section still runs; the benchmarks print each row as it
+#                  materialised logits, N 512-4096, with and without T5's bias (time, memory, the planner's figure;
+#                  rows as they finish), then FlexAttention with the bias inside the kernel
+#   4. cuda_tests  tests/test_cuda.py and the CUDA test of tests/test_async_checkpoint.py with pytest: each fused attention
+#                  form on its kernel against the float64 reference (fp32, bf16), torch's kernel choice against the
+#                  fake-CUDA tests' rules, recompute with dropout 0.1 replaying the forward, torch.compile vs eager
+#   5. pipeline    50-step pretraining of configs/tiny.yaml in bf16 (an asynchronous save at step 25), export,
+#                  fine-tuning with evaluation (sst2; selective recompute of random+vanilla with dropout 0.1)
+# Every section runs under a time limit (30 + 40 + 40 + 130 + 120 + 120 + 110 s, each killed 5 s after its limit:
+# under 10 minutes in all, about 5 measured); a failure is recorded and the next section still runs; the benchmarks print each row as it
 # finishes, so a section cut by its limit keeps its rows in its log. OUT_DIR (default $OUT, else
-# runs/gpu_check) gets 7 files, as the machine returns at most 8: summary.md (each section's status and time, the
-# tables, the fine-tuning scores) and <section>.log for each section.
+# runs/gpu_check) gets 8 files, as the machine returns at most 8: summary.md (each section's status and time, the
+# tables, the tests' results, the fine-tuning scores) and <section>.log for each section.
 #
 # Offline: the kit (KIT, default .kit) holds the wheels the machine lacks and data/, which the pipeline reads:
 # tokenizer/spiece.model, shards/train, shards/valid and polarity/ (SST-2 layout). PYTHON selects the interpreter
@@ -33,14 +37,15 @@ DATA=$KIT/data
 PY=${PYTHON:-python3}
 DRY_RUN=${DRY_RUN:-0}
 TIME_SCALE=${TIME_SCALE:-1}  # multiplies every section's limit: a dry run on a small, shared CPU needs more
-SECTIONS=${SECTIONS:-kit env startup throughput attention pipeline}
+SECTIONS=${SECTIONS:-kit env startup throughput attention cuda_tests pipeline}
 # a dry run takes the same paths with fewer steps: the benchmarks' 5 + 20 and the pipeline's 50 cost minutes on a CPU
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu; BACKEND=gloo; STEPS=(--warmup 1 --steps 2); PIPELINE_STEPS=10
+    export PRETRAIN_TEST_DEVICE=cpu  # tests/test_cuda.py's bodies on the CPU
     ATTENTION=(--lengths 64 128 --batch 1 --heads 2 --reps 1)
 else
     DEVICE=cuda; BACKEND=nccl; STEPS=(); PIPELINE_STEPS=50
-    ATTENTION=(--lengths 512 1024 2048 --batch 8 --heads 12 --reps 3 --dtype bf16)
+    ATTENTION=(--lengths 512 1024 2048 4096 --batch 8 --heads 12 --reps 3 --dtype bf16)
 fi
 CONFIG=${CONFIG:-$([ "$DRY_RUN" = 1 ] && echo configs/tiny.yaml || echo configs/base.yaml)}
 PRECISION=${PRECISION:-$([ "$DRY_RUN" = 1 ] && echo fp32 || echo bf16)}
@@ -151,7 +156,8 @@ pipeline() {
     "$PY" -m pretrain.export --run "$WORK/pretrain" --output "$WORK/export"
     "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m pretrain.finetune \
         --config configs/finetune/polarity.yaml "init=$WORK/export" "data.dir=$DATA/polarity" \
-        "run.dir=$WORK/finetune" "precision=$PRECISION" "train.steps=$PIPELINE_STEPS" train.global_batch=32
+        "run.dir=$WORK/finetune" "precision=$PRECISION" "train.steps=$PIPELINE_STEPS" train.global_batch=32 \
+        train.activation_checkpointing=selective  # random+vanilla (tiny.yaml), dropout 0.1: recompute replays masks
 }
 
 # the sections run in child processes under `timeout`: they see these functions and variables
@@ -164,8 +170,10 @@ section startup 40 bash -c startup_check
 BENCH=(-m bench.throughput --config "$CONFIG" --precision "$PRECISION" --micro-batch "$MICRO_BATCH" "${STEPS[@]}")
 section throughput 130 "$PY" "${BENCH[@]}" --variants vanilla dense random factorized_random random+vanilla \
     --out "$WORK/throughput.md"
-section attention 80 "$PY" -m bench.attention --device "$DEVICE" "${ATTENTION[@]}" --mixers vanilla dense \
+section attention 120 "$PY" -m bench.attention --device "$DEVICE" "${ATTENTION[@]}" --mixers vanilla dense \
     factorized_random dense+vanilla random+vanilla random
+section cuda_tests 120 "$PY" -m pytest -v -rsP -p no:cacheprovider tests/test_cuda.py \
+    tests/test_async_checkpoint.py::test_cuda_copies_into_pinned_buffers_hold_the_state_as_saved
 section pipeline 110 bash -c pipeline
 
 {
@@ -184,6 +192,10 @@ section pipeline 110 bash -c pipeline
     echo
     echo "## attention"
     grep -E "^attention core|^\|" "$OUT_DIR/attention.log" 2>/dev/null || echo "(no table: see attention.log)"
+    echo
+    echo "## cuda_tests"
+    grep -E "(PASSED|FAILED|SKIPPED|ERROR)|torch chooses|relative error| passed| failed" "$OUT_DIR/cuda_tests.log" 2>/dev/null \
+        | sed -E 's/^(tests\/[^ ]*) (PASSED|FAILED|SKIPPED|ERROR).*/\2 \1/' || echo "(none: see cuda_tests.log)"
     echo
     echo "## pipeline ($PIPELINE_STEPS pretraining steps, export, fine-tuning + evaluation)"
     grep -E "step $PIPELINE_STEPS/$PIPELINE_STEPS|eval_loss" "$OUT_DIR/pipeline.log" | tail -n 3 || true

@@ -127,6 +127,7 @@ def _shared_fixtures(path: str) -> dict[str, str]:
     return {test: root(min(shared)) for test, shared in tests.items() if shared}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: pytest runs without xdist too (the GPU check)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling
 

@@ -35,6 +35,8 @@ def test_attention_table_names_the_form_and_kernel_cpu_training_takes() -> None:
     assert {key: (r[9], r[10]) for key, r in rows.items()} == expected
     for key, r in rows.items():
         assert r[1] == "16" and float(r[3]) > 0 and (r[5] == "-" if key[0] == "random" else float(r[5]) > 0), r
+        planned = r[11].split(" / ")  # the planner's figure per form, in MiB: none for a form the layer has not
+        assert planned[0].isdigit() and (planned[1] == "-" if key[0] == "random" else planned[1].isdigit()), r
 
 
 def test_attention_model_compares_the_rule_with_materialised_logits(capsys: pytest.CaptureFixture) -> None:

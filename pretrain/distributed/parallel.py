@@ -192,11 +192,18 @@ class _CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
             torch.set_rng_state(outer)
 
 
+# megatron's own reads of "the CUDA state" (its recompute saves and restores it), which the CPU tracker replaces
+_CUDA_RNG_STATE = (mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state)
+
+
 def init_rng(seed: int, cuda: bool) -> None:
-    """Seed the default stream (same on all ranks) and the TP-region streams (different per TP rank)."""
+    """Seed the default stream (same on all ranks) and the TP-region streams (different per TP rank): megatron's CUDA
+    tracker, or one over the CPU generator. Either replaces the other (a process that set up the CPU one first, as
+    init_single_process does, gets CUDA's whole: the tracker and the state its recompute restores)."""
     torch.manual_seed(seed)
     if cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state = _CUDA_RNG_STATE
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         return
     tracker = _CpuRNGStatesTracker()
     tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)

@@ -311,6 +311,32 @@ def _counting_sdpa(region: list[str], record, device: str, real):
     return sdpa
 
 
+def core_bytes(forward, device: str, exclude=()) -> tuple[int, int]:
+    """(bytes saved for the backward, the backward's largest transient) of one attention core: `forward()` run on
+    meta tensors, counted as trace_activations counts a layer's core on `device` (bench.attention prints it beside
+    the measured peak); tensors in `exclude` (the core's inputs and parameters) are not counted."""
+    skip = {id(t) for t in exclude}
+    seen: dict[int, int] = {}
+    keep_alive: list[torch.Tensor] = []
+
+    def record(t: torch.Tensor) -> None:
+        base = t if t._base is None else t._base
+        if id(base) not in skip and id(base) not in seen:
+            keep_alive.append(base)
+            seen[id(base)] = base.untyped_storage().nbytes()
+
+    sdpa = F.scaled_dot_product_attention
+    _SAVED_BY_KERNEL.clear()
+    _BACKWARD_TRANSIENT.clear()
+    try:
+        F.scaled_dot_product_attention = _counting_sdpa(["core"], record, device, sdpa)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: [record(t), t][1], lambda t: t):
+            forward()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return sum(seen.values()), max(_BACKWARD_TRANSIENT, default=0)
+
+
 def activation_bytes(trace: ActivationTrace, mode: str) -> int:
     """Peak activation bytes for train.activation_checkpointing `mode` (none, full or selective)."""
     largest = max(trace.blocks, default=0)
