@@ -1,6 +1,8 @@
 """Throughput of the trainer's own step (`pretrain.runtime.loop.train_step`: DeepSpeed forward, backward, the step's
 DP all-reduce and skip check, clipping, AdamW) for attention variants, per GPU: median step time and its spread,
-tokens/s, model TFLOP/s (pretrain.model.flops), MFU against the device peak, and peak memory.
+tokens/s, model TFLOP/s (pretrain.model.flops), MFU against the device peak, peak memory, and beside it the
+planner's figure for the same job (pretrain/planning/memory.py, less its CUDA reserve, which torch's allocator peak
+does not see; on the CPU the peak resident set also holds the interpreter and libraries).
 
     .venv/bin/python -m bench.throughput                          # CPU, configs/tiny.yaml, fp32 (the CI smoke test)
     torchrun --nproc-per-node 8 -m bench.throughput --config configs/base.yaml --precision bf16 --micro-batch 32
@@ -35,6 +37,7 @@ from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.distributed.parallel import destroy_distributed, init_distributed
 from pretrain.model import build_model
 from pretrain.model.flops import flops_per_sequence
+from pretrain.planning.memory import CUDA_RESERVE_BYTES, estimate_memory
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loop import install_skip_guard, to_device, train_step
 from pretrain.runtime.metrics import peak_flops
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
               f"checkpointing {checkpointing}, compile {args.compile}, {args.warmup} warm-up + {args.steps} "
               f"measured steps, peak {peak / 1e12:.3g} TFLOP/s per device")
     per = "GPU" if dims.device.type == "cuda" else "process"
-    columns = ("variant", "ms/step (median)", "IQR ms", f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak GiB")
+    columns = ("variant", "ms/step (median)", "IQR ms", f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak GiB",
+               "planned GiB")
     rows = []
     line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     if dims.rank == 0:  # the rows as they finish: a run cut short by a time limit keeps the rows done
@@ -140,6 +144,10 @@ def main(argv: list[str] | None = None) -> None:
             continue  # the same layer as with sdpa on
         model_cfg = dataclasses.replace(cfg.model, encoder_attention=variant, decoder_attention=variant,
                                         vocab_size=vocab)
+        job = dataclasses.replace(cfg, model=model_cfg, precision=precision,
+                                  train=dataclasses.replace(train, activation_checkpointing=checkpointing))
+        planned = estimate_memory(job, dims.tp, dims.dp, micro, target_length, dims.device.type).total
+        planned -= CUDA_RESERVE_BYTES if dims.device.type == "cuda" else 0  # not torch's allocations
         gc.collect()
         if dims.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -162,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         flops = micro * flops_per_sequence(model_cfg, input_length, target_length)
         rows.append((_label(variant, sdpa), f"{median * 1e3:.1f}", f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}",
                      f"{micro * (input_length + target_length) / median:.0f}", f"{flops / median / 1e12:.3g}",
-                     f"{flops / median / peak:.1%}" if peak else "n/a", f"{memory / 2**30:.2f}"))
+                     f"{flops / median / peak:.1%}" if peak else "n/a", f"{memory / 2**30:.2f}",
+                     f"{planned / 2**30:.2f}"))
         if dims.rank == 0:
             print(line(rows[-1]), flush=True)
         del engine, model, batches

@@ -21,14 +21,15 @@ def test_throughput_table_under_torchrun(tmp_path):
     assert "DP 2 x TP 1, micro batch 4 (global 8)" in header and "1 warm-up + 3 measured steps" in header
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
     assert rows[0] == ["variant", "ms/step (median)", "IQR ms", "tokens/s/process", "TFLOP/s/process", "MFU",
-                       "peak GiB"]
+                       "peak GiB", "planned GiB"]
     variants = [r[0] for r in rows[2:]]
     # random has no vanilla mixer: timed once
     assert variants == ["random+vanilla (sdpa)", "random+vanilla (materialised)", "random"]
-    for name, ms, iqr, tokens, tflops, mfu, memory in rows[2:]:
+    for name, ms, iqr, tokens, tflops, mfu, memory, planned in rows[2:]:
         low, high = (float(x) for x in iqr.split("-"))
         assert 0 < low <= float(ms) <= high, name
         # tokens per step and process: micro batch 4 x (64 inputs + 14 targets)
         assert abs(float(tokens) * float(ms) / 1e3 - 4 * 78) < 0.02 * 4 * 78, name
         assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) < 100 and float(memory) > 0.05, name
+        assert float(planned) > 0, name  # the planner's figure for the job (its CPU peak holds the interpreter too)
     assert done.stdout.count("| random+vanilla (sdpa) |") == 1  # printed by rank 0 only
