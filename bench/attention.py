@@ -137,7 +137,12 @@ def flex_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
     global _FLEX
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX(q, k, v, score_mod=score_mod, scale=1.0)
+    # blocks small enough for the kernel's shared memory: inductor's defaults for this score_mod asked an H200 for
+    # 245,760 bytes of its 232,448 ("No valid triton configs", torch 2.11)
+    return _FLEX(q, k, v, score_mod=score_mod, scale=1.0, kernel_options=FLEX_BLOCKS)
+
+
+FLEX_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
 
 
 _FLEX = None
