@@ -13,20 +13,39 @@ kernel takes a mask with a gradient and any float dtype but fp64; everything els
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _HALF = (torch.float16, torch.bfloat16)
+_META_AS = ["cpu"]  # the device whose kernels a model on the meta device takes: the planner's trace of a job
+
+
+@contextlib.contextmanager
+def meta_as(device: str):
+    """Within it, attention on meta tensors takes `device`'s kernels and their padded head dimensions (the planner
+    traces a CUDA job so: measured on an H200, Dense's and Factorized Random's cores then save what the kernel saves)."""
+    _META_AS.append(device)
+    try:
+        yield
+    finally:
+        _META_AS.pop()
+
+
+def _kind(device: torch.device) -> str:
+    return _META_AS[-1] if device.type == "meta" else device.type
 
 
 def sdpa_backend(device: torch.device, dtype: torch.dtype, masked: bool, mask_grad: bool, p: float,
                  head_dim: int) -> SDPBackend:
     """The one kernel for a layer: `masked` an attn_mask is passed, `mask_grad` it is trained (see the module
     docstring); `head_dim` the larger of Q's and V's."""
-    if device.type in ("cpu", "meta"):  # meta: the planner's trace of a CPU job
+    kind = _kind(device)
+    if kind == "cpu":
         return SDPBackend.FLASH_ATTENTION if not mask_grad and p == 0 else SDPBackend.MATH
-    if device.type != "cuda" or dtype == torch.float64:
+    if kind != "cuda" or dtype == torch.float64:
         return SDPBackend.MATH
     if not masked and dtype in _HALF and _round8(head_dim) <= 256:
         return SDPBackend.FLASH_ATTENTION
@@ -54,7 +73,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         mask = mask.detach()
     if backend != SDPBackend.MATH:
         dim = max(q.shape[-1], dv)
-        dim = _round8(dim) if q.is_cuda else dim
+        dim = _round8(dim) if _kind(q.device) == "cuda" else dim
         q, k, v = _pad(q, dim), _pad(k, dim), _pad(v, dim)
     with sdpa_kernel([backend]):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=1.0)
