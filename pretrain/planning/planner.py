@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.core.config import Config, UsageError
+from pretrain.core.deepspeed_config import build_deepspeed_config
 from pretrain.data.loader import dp_sizes, num_streams
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.distributed.parallel import check_parallel, padded_vocab_size
@@ -40,7 +41,6 @@ from pretrain.planning.checkpoint import (
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory, length_bound_params
 from pretrain.planning.units import binary_size, count
-from pretrain.runtime.engine import build_deepspeed_config
 
 AUTO_FILL = 0.9  # auto micro batch: leave 10% of the device for what the estimate does not see
 T5_IDS = 32100  # T5's SentencePiece ids (32000 pieces + 100 sentinels), assumed when no tokenizer is at hand
