@@ -14,7 +14,7 @@ from pretrain.core.config import Config, UsageError, load_config
 from pretrain.planning.checkpoint import FS_GBPS, FS_GBPS_WHY
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS
 from pretrain.planning.memory import GiB
-from pretrain.planning.planner import _advice, _estimate, check_job, report
+from pretrain.planning.planner import check_job, check_memory, estimate, report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,14 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) must be > 0")
         cfg = load_config(Config, args.config, args.overrides)
         layout = check_job(cfg, args.nodes * args.gpus_per_node, memory)
-        est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cuda")
+        est = estimate(cfg, layout)
         table, slow_saves = report(cfg, layout, est, memory, args.gpus_per_node, args.link_gbps, args.nvlink_gbps,
                                    args.gpu_tflops, args.fs_gbps)
         print(table)
         if slow_saves:
             print(f"pretrain.plan: {slow_saves}", file=sys.stderr)
-        if est.total > memory:
-            raise UsageError(_advice(cfg, layout, est, memory, "cuda"))
+        check_memory(cfg, layout, memory)  # what to change when it does not fit
     except UsageError as e:
         print(f"pretrain.plan: {e}", file=sys.stderr)
         return 2

@@ -18,10 +18,9 @@ from typing import Sequence
 
 from pretrain.core.config import Config, ConfigError, UsageError, load_config
 from pretrain.experiments.grid import Cell, StudyConfig, cells, check_study, pretrain_args
-from pretrain.model.flops import flops_per_sequence
 from pretrain.planning.comm import GPU_TFLOPS
 from pretrain.planning.memory import GiB
-from pretrain.planning.planner import _resolved, check_job, check_memory
+from pretrain.planning.planner import check_job, check_memory, step_flops
 
 
 def pretrain_config(cfg: StudyConfig, cell: Cell) -> Config:
@@ -41,8 +40,7 @@ def plan_study(cfg: StudyConfig, world: int, memory: int, gpu_tflops: float, mfu
             est = check_memory(job, layout, memory)
         except UsageError as e:
             raise UsageError(f"variant {variant.label}: {e}") from None
-        flops = job.train.global_batch * flops_per_sequence(_resolved(job).model, layout.input_length,
-                                                            layout.target_length)
+        flops = step_flops(job, layout)
         hours = flops * job.train.steps / (gpu_tflops * 1e12 * mfu) / 3600
         total += hours * len(cfg.study.seeds)
         lines.append(f"{variant.label:{width}s} TP {layout.tp} x DP {layout.dp}, micro {layout.micro_batch} x accumulation "

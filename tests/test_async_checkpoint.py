@@ -1,7 +1,7 @@
 """Asynchronous checkpoints (`checkpoint.async_save`) on real gloo groups of 2 ranks, the tiny config, real shards.
 
-The in-flight windows are made by the writer's test hold (`PRETRAIN_TEST_HOLD_WRITER`, checkpoint_writer.py): the
-writer of step N waits, before its first write, until the test creates `release_step_N`; nothing sleeps and hopes.
+The in-flight windows are made by the test's hold on the writers (tests/writer_hold.py): the writer of step N waits,
+before its first write, until the test creates `release_step_N`; nothing sleeps and hopes.
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from pretrain.core.config import Config, load_config
-from pretrain.runtime.checkpoint_writer import HOLD, HostBuffers, HostCopies, snapshot
+from pretrain.runtime.checkpoint_writer import HostBuffers, HostCopies, snapshot
 from pretrain.runtime.faults import EXIT_FAILED, EXIT_PREEMPTED
 from tests.distributed import disk_full, launch_like_srun, run_distributed
 from tests.test_metrics import read_metrics, read_tensorboard
 from tests.test_train import REPO, TINY, TRAIN, data_overrides, losses
+from tests.writer_hold import held_writers, train_holding_writers
 
 # 8 steps (the LR warms up over 10), a checkpoint every 2: the saves at 2, 4 and 6 are periodic, 8 is the last
 COMMON = ["train.steps=8", "log.every=1", "eval.every=0", "checkpoint.every=2", "checkpoint.keep=3", "zero.stage=1"]
@@ -51,12 +52,12 @@ def _train_each(rank: int, world: int, runs: list[tuple[str, list[str], str | No
                 assert result.writing  # step 4's save is in flight
             return result
 
-        os.environ[HOLD], loop_module.train_step = hold, train_step
+        loop_module.train_step = train_step
         try:
-            codes.append(train_module.train(cfg))
+            with held_writers(hold):
+                codes.append(train_module.train(cfg))
         finally:
             loop_module.train_step = original
-            del os.environ[HOLD]
     return codes
 
 
@@ -186,14 +187,13 @@ def test_cuda_copies_into_pinned_buffers_hold_the_state_as_saved():
     assert torch.equal(again["flat"], flat.cpu())
 
 
-def _launch_in_background(argv: list[str], results: list, **kwargs) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.extend(launch_like_srun(2, TRAIN, argv, cwd=REPO, **kwargs)))
+def _launch_in_background(code: str, argv: list[str], results: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.extend(launch_like_srun(2, code, argv, cwd=REPO)))
     thread.start()
     return thread
 
 
-def test_a_rank_killed_during_an_async_save_then_a_full_disk_resume_from_the_previous_one(runs, shards, tmp_path,
-                                                                                          monkeypatch):
+def test_a_rank_killed_during_an_async_save_then_a_full_disk_resume_from_the_previous_one(runs, shards, tmp_path):
     run, hold = tmp_path / "run", tmp_path / "hold"
     hold.mkdir()
     (hold / "release_step_2").touch()
@@ -201,9 +201,8 @@ def test_a_rank_killed_during_an_async_save_then_a_full_disk_resume_from_the_pre
     argv = ["--config", TINY, f"run.dir={run}", *COMMON, *data_overrides(shards), ASYNC]
     # rank 1 is killed (SIGKILL) while its writer of step 4 is held and rank 0's loop waits for its own (at the
     # save of step 6: one save in flight at most); then the writers are released
-    monkeypatch.setenv(HOLD, str(hold))
     results: list = []
-    job = _launch_in_background(argv, results)
+    job = _launch_in_background(train_holding_writers(hold), argv, results)
     held, waiting = hold / "held_step_4_rank_1", hold / "waiting_step_4_rank_0"
     while not waiting.exists() or not held.exists() or not held.read_text():
         assert job.is_alive(), f"the job ended before its loop waited for the save of step 4: {results}"
@@ -214,7 +213,6 @@ def test_a_rank_killed_during_an_async_save_then_a_full_disk_resume_from_the_pre
     assert [code for code, _ in results] == [EXIT_FAILED, -signal.SIGKILL]
     assert not (checkpoints / "step_4" / "complete.json").exists()
     assert (checkpoints / "latest").read_text().strip() == "step_2"
-    monkeypatch.delenv(HOLD)
     # the rerun resumes step 2; the disk is full when step 4 is written in the background: one line per rank, exit 1
     results = launch_like_srun(2, TRAIN, argv, cwd=REPO, preexec_fn=disk_full)
     assert [code for code, _ in results] == [EXIT_FAILED] * 2

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pretrain.core.config import Config, ConfigError, TrainConfig, UsageError, ZeroConfig
-from pretrain.runtime.engine import build_deepspeed_config, num_accumulation_steps, param_groups
+from pretrain.core.deepspeed_config import build_deepspeed_config, num_accumulation_steps
+from pretrain.runtime.engine import param_groups
 from pretrain.runtime.schedule import build_scheduler, lr_factor
 
 
@@ -143,13 +144,14 @@ def _clipped_weights(rank: int, world: int, ours: bool, stage: int, inf_at: int 
     with DeepSpeed's own (gradient_clipping and bf16.check_grad_overflow in its config). With `inf_at`, rank 0's
     gradients are infinite at that step: it must be skipped everywhere. The fp32 master partitions, and the steps
     applied."""
+    import pretrain.core.deepspeed_config as rules
     import pretrain.runtime.engine
     from pretrain.core.config import Config, ParallelConfig, load_config
     from pretrain.distributed.parallel import init_distributed
     from pretrain.model import build_model
 
-    if not ours:
-        pretrain.runtime.engine._clips_on_device = pretrain.runtime.engine._skips_on_norm = lambda precision, stage: False
+    if not ours:  # DeepSpeed's config keeps its own clipping and overflow check, which the engine then leaves alone
+        rules._clips_on_device = rules._skips_on_norm = lambda precision, stage: False
     cfg = load_config(Config, "configs/tiny.yaml", [f"zero.stage={stage}", "zero.reduce_bucket_size=20000"])
     init_distributed(ParallelConfig(), seed=3)
     train = dataclasses.replace(cfg.train, micro_batch=2, global_batch=2 * world, grad_clip=1e-2, warmup_steps=0)

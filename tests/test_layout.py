@@ -1,6 +1,7 @@
 """The tree reads as commands on top of packages (README's Layout): each package imports only the packages above
 it in README's table and never a command, no module import cycle, the map matches the files, data/ imports neither
-the runtime nor the launchers, and model/ does not import megatron's global parallel state."""
+the runtime nor the launchers, planning/ does not import the runtime, and model/ does not import megatron's global
+parallel state."""
 import ast
 import re
 import subprocess
@@ -106,6 +107,19 @@ def test_data_imports_neither_the_runtime_nor_the_launchers():
     imported = _imported("pretrain/data/*.py")
     wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
              if name.split(".")[0] == "launch" or name.split(".")[:2] == ["pretrain", "runtime"]]
+    assert imported
+    assert not wrong
+
+
+def test_planning_imports_no_runtime():
+    # every job is checked by the planner before its engine exists (check_job, check_memory), so the start path may
+    # call it from below: planning sits above runtime in README's table; what both need (DeepSpeed's config dict,
+    # the batch split) is core's (pretrain/core/deepspeed_config.py)
+    packages = _readme_map()[1]
+    assert packages.index("planning") < packages.index("runtime")
+    imported = _imported("pretrain/planning/*.py")
+    wrong = [f"{file} imports {name}" for file, names in imported.items() for name in names
+             if name.split(".")[:2] == ["pretrain", "runtime"]]
     assert imported
     assert not wrong
 

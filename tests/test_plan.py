@@ -298,7 +298,7 @@ def _saved_files(rank: int, world: int, root: str, tokenizer: str) -> dict[str, 
 
 
 def test_checkpoint_bytes_match_a_real_deepspeed_save(tmp_path, tokenizer_model):
-    from pretrain.planning.planner import _estimate, plan_checkpoint
+    from pretrain.planning.planner import estimate, plan_checkpoint
 
     saved = run_distributed(_saved_files, 1, str(tmp_path), tokenizer_model)[0]
     for precision, stage in CHECKPOINT_LAYOUTS:
@@ -306,7 +306,7 @@ def test_checkpoint_bytes_match_a_real_deepspeed_save(tmp_path, tokenizer_model)
         cfg = load_config(Config, "configs/tiny.yaml", [f"precision={precision}", f"zero.stage={stage}",
                                                          f"data.tokenizer={tokenizer_model}"])
         layout = check_job(cfg, world=1)
-        est = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, "cpu")
+        est = estimate(cfg, layout, "cpu")
         ckpt = plan_checkpoint(cfg, layout, est)
         # bf16 without ZeRO: the bf16 weights, the fp32 master, m and v in one file (14 bytes a parameter); with
         # ZeRO the weights as trained (2 or 4 bytes) beside the optimizer's partition (12 bytes)
@@ -385,8 +385,8 @@ def test_the_planner_states_the_parameters_bound_to_max_length(capsys, spec, per
         assert not line
         return
     from pretrain.planning.memory import length_bound_params
-    from pretrain.planning.planner import _resolved
+    from pretrain.planning.planner import with_vocab_size
 
-    assert length_bound_params(_resolved(load_config(Config, "configs/base.yaml", [*over, "parallel.tensor=2"])),
+    assert length_bound_params(with_vocab_size(load_config(Config, "configs/base.yaml", [*over, "parallel.tensor=2"])),
                                2) == expected
     assert line and line[0].startswith("  of which bound to model.max_length 1024: ")

@@ -7,7 +7,7 @@ collectives through the real engine):
 - ZeRO 0 and 1: after the last backward of the step, one all-reduce of every gradient over DP, in buckets of
   5e8 elements (`engine.allreduce_gradients` -> `buffered_allreduce_fallback`; bf16 at ZeRO 1 goes through
   `BF16_Optimizer`, which ignores `zero.overlap_comm` and `zero.reduce_bucket_size`), in the communication
-  dtype (fp32 for bf16/fp16 at ZeRO >= 1, pretrain.runtime.engine): exposed, nothing computes meanwhile.
+  dtype (fp32 for bf16/fp16 at ZeRO >= 1, pretrain.core.deepspeed_config): exposed, nothing computes meanwhile.
 - ZeRO 1 and 2: after the optimizer step each rank's updated partition of the weights is all-gathered (model
   dtype, buckets of `zero.allgather_bucket_size` per parameter group): exposed.
 - ZeRO 2: every micro batch's backward all-reduces the gradients in buckets of `zero.reduce_bucket_size` (each
@@ -96,7 +96,7 @@ def estimate_comm(cfg: Config, tp: int, dp: int, micro_batch: int, accumulation:
     in the shared input embedding), DP group of `dp` ranks."""
     stage, zero = cfg.zero.stage, cfg.zero
     model_bytes = _BYTES[cfg.precision]
-    comm_bytes = 4 if stage > 0 else model_bytes  # pretrain.runtime.engine reduces in fp32 under ZeRO (accumulates there)
+    comm_bytes = 4 if stage > 0 else model_bytes  # pretrain.core.deepspeed_config: fp32 under ZeRO (accumulates there)
     spans_nodes = tp * dp > gpus_per_node  # TP is innermost (pretrain.distributed.parallel): a DP group's ranks are tp apart
     dp_gbps = min(nvlink_gbps, link_gbps * max(1, gpus_per_node // tp)) if spans_nodes else nvlink_gbps
     grads = num_params * comm_bytes

@@ -164,7 +164,7 @@ def model_state_bytes(num_params: int, precision: str, stage: int, dp: int, opti
     and a partitioned fp32 copy with it (12 bytes over DP); bf16/fp16 keep 2-byte weights, gradients
     accumulated and reduced in fp32 (`data_types.grad_accum_dtype`): ZeRO 1 keeps the whole fp32 gradient
     (DeepSpeed's BF16 optimizer) plus the 2-byte `.grad` of every parameter, ZeRO 0 the 2-byte gradient and its
-    fp32 copy in the step, stages 2 and 3 a partition over DP. Adafactor (ZeRO 0 only, see pretrain.runtime.engine)
+    fp32 copy in the step, stages 2 and 3 a partition over DP. Adafactor (ZeRO 0 only, see pretrain.core.deepspeed_config)
     keeps the row and column factors (`factored_elements`).
     """
     p, shard = num_params, lambda nbytes: -(-nbytes // dp)

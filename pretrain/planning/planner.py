@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.core.config import Config, UsageError
+from pretrain.core.deepspeed_config import build_deepspeed_config
 from pretrain.data.loader import dp_sizes, num_streams
 from pretrain.data.span_corruption import input_and_target_lengths
 from pretrain.distributed.parallel import check_parallel, padded_vocab_size
@@ -40,7 +41,6 @@ from pretrain.planning.checkpoint import (
 from pretrain.planning.comm import GPU_TFLOPS, IB_GBPS, NVLINK_GBPS, describe, estimate_comm
 from pretrain.planning.memory import GiB, MemoryEstimate, estimate_memory, length_bound_params
 from pretrain.planning.units import binary_size, count
-from pretrain.runtime.engine import build_deepspeed_config
 
 AUTO_FILL = 0.9  # auto micro batch: leave 10% of the device for what the estimate does not see
 T5_IDS = 32100  # T5's SentencePiece ids (32000 pieces + 100 sentinels), assumed when no tokenizer is at hand
@@ -100,10 +100,21 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 def check_memory(cfg: Config, layout: Layout, gpu_memory_bytes: int, device: str = "cuda") -> MemoryEstimate:
     """The estimate for `layout`; a UsageError (one line: what does not fit, the first thing to change) when
     it exceeds `gpu_memory_bytes`. The trainer calls it on CUDA with the device's memory before allocating."""
-    estimate = _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, device)
-    if estimate.total > gpu_memory_bytes:
-        raise UsageError(_advice(cfg, layout, estimate, gpu_memory_bytes, device))
-    return estimate
+    est = estimate(cfg, layout, device)
+    if est.total > gpu_memory_bytes:
+        raise UsageError(_advice(cfg, layout, est, gpu_memory_bytes, device))
+    return est
+
+
+def estimate(cfg: Config, layout: Layout, device: str = "cuda") -> MemoryEstimate:
+    """The memory per GPU of `cfg` at `layout` (pretrain.planning.memory.estimate_memory), whether it fits or not."""
+    return _estimate(cfg, layout.tp, layout.dp, layout.micro_batch, layout.target_length, device)
+
+
+def step_flops(cfg: Config, layout: Layout) -> float:
+    """The model FLOPs of one global batch (all GPUs together)."""
+    return cfg.train.global_batch * flops_per_sequence(with_vocab_size(cfg).model, layout.input_length,
+                                                       layout.target_length)
 
 
 def _ids(cfg: Config) -> int:
@@ -117,7 +128,8 @@ def _ids(cfg: Config) -> int:
     return T5_IDS
 
 
-def _resolved(cfg: Config) -> Config:
+def with_vocab_size(cfg: Config) -> Config:
+    """`cfg` with model.vocab_size set: the tokenizer's ids when it is 0 (T5's 32100 without a tokenizer file)."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=_ids(cfg)))
 
 
@@ -129,7 +141,7 @@ def _estimate(cfg: Config, tp: int, dp: int, micro: int, target_length: int, dev
     builds and traces a meta model (1.7 s of CPU at T5-base's 24 layers)."""
     key = (repr(cfg), tp, dp, micro, target_length, device)
     if key not in _ESTIMATES:
-        _ESTIMATES[key] = estimate_memory(_resolved(cfg), tp, dp, micro, target_length, device)
+        _ESTIMATES[key] = estimate_memory(with_vocab_size(cfg), tp, dp, micro, target_length, device)
     return _ESTIMATES[key]
 
 
@@ -163,8 +175,7 @@ def _advice(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, devic
             alt_layout = check_job(changed, layout.world)
         except UsageError:
             continue
-        alt = _estimate(changed, alt_layout.tp, alt_layout.dp, alt_layout.micro_batch, alt_layout.target_length,
-                        device)
+        alt = estimate(changed, alt_layout, device)
         if alt.total <= memory:
             return f"does not fit: {need}; set {key}={value} ({alt.total / GiB:.1f} GiB)"
     return f"does not fit: {need}; no single change fits: add GPUs or raise parallel.tensor and zero.stage together"
@@ -199,7 +210,7 @@ def _with(cfg: Config, section: str, **changes) -> Config:
 def _length_line(cfg: Config, layout: Layout, est: MemoryEstimate) -> list[str]:
     """The parameters bound to model.max_length N, by mixer (none for vanilla-only models): they grow as N^2
     (random, fixed_random: [h, N, N]) or N (dense, the factorized mixers), so a longer context costs them."""
-    bound = length_bound_params(_resolved(cfg), layout.tp)
+    bound = length_bound_params(with_vocab_size(cfg), layout.tp)
     if not bound:
         return []
     parts = ", ".join(f"{name} {count(n)}" for name, n in sorted(bound.items()))
@@ -232,7 +243,7 @@ def plan_checkpoint(cfg: Config, layout: Layout, est: MemoryEstimate) -> Checkpo
     if cfg.train.optimizer == "adafactor":
         from pretrain.planning.memory import _factored_elements, meta_model
 
-        factored = _factored_elements(meta_model(_resolved(cfg), layout.tp))
+        factored = _factored_elements(meta_model(with_vocab_size(cfg), layout.tp))
     return checkpoint_bytes(est.num_params, cfg.precision, layout.zero_stage, layout.tp, layout.dp,
                             cfg.train.optimizer, factored,
                             tokenizer.stat().st_size if tokenizer and tokenizer.is_file() else T5_TOKENIZER_BYTES)
@@ -243,7 +254,7 @@ def report(cfg: Config, layout: Layout, est: MemoryEstimate, memory: int, gpus_p
            fs_gbps: float = FS_GBPS) -> tuple[str, str | None]:
     """The planner's table: layout, memory per GPU, FLOPs, communication per step, the checkpoint; and a
     warning line when saving takes more than 5% of wall time (else None)."""
-    flops = cfg.train.global_batch * flops_per_sequence(_resolved(cfg).model, layout.input_length, layout.target_length)
+    flops = step_flops(cfg, layout)
     comm = estimate_comm(cfg, layout.tp, layout.dp, layout.micro_batch, layout.accumulation, layout.target_length,
                          est.num_params, flops / layout.world, gpus_per_node, link_gbps, nvlink_gbps, gpu_tflops,
                          embedding_params=layout.vocab_rows // layout.tp * cfg.model.d_model)

@@ -16,17 +16,11 @@ On CUDA the copies go into pinned host buffers kept from one save to the next (`
 stream behind the work the loop queued before the save (`HostCopies`): the loop goes on at once and waits for
 the copies' event only before its next optimizer step changes what they read (`train_step(before_update=)`); the
 writer waits for it before its first write. On the CPU a storage is cloned, as it always was.
-
-`PRETRAIN_TEST_HOLD_WRITER=DIR` (tests only) holds the writer of step N before its first write: it creates
-`DIR/held_step_N_rank_R` (holding its pid) and waits until `DIR/release_step_N` exists; the loop, when it
-waits for a held writer, creates `DIR/waiting_step_N_rank_R`. So a test acts while a save is in flight, and
-knows where the loop is, without sleeping and hoping.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import threading
 import time
 from pathlib import Path
@@ -35,8 +29,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pretrain.runtime.device_streams import CudaStreams, streams_for
-
-HOLD = "PRETRAIN_TEST_HOLD_WRITER"
 
 
 class HostBuffers:
@@ -155,16 +147,6 @@ def staging_saves(engine, staged: list[tuple[Path, Any]], copies: HostCopies | N
         del checkpoint_engine.save  # the class's method again
 
 
-def _hold(step: int, rank: int) -> None:
-    folder = os.environ.get(HOLD)
-    if not folder:
-        return
-    Path(folder, f"held_step_{step}_rank_{rank}").write_text(str(os.getpid()))  # the process to kill
-    # released by the test, or once the job's main thread has ended (a loop that never waited for its writer)
-    while not Path(folder, f"release_step_{step}").exists() and threading.main_thread().is_alive():
-        time.sleep(0.05)
-
-
 class BackgroundWriter:
     """Runs `write()` (which returns {name: {"bytes", "crc32"}} of the files it wrote) in one thread; `done` once it
     returned or raised. Not a daemon: an interpreter that is exiting waits for the files it is writing."""
@@ -177,7 +159,6 @@ class BackgroundWriter:
 
         def run() -> None:
             try:
-                _hold(step, rank)
                 self.listed = write()
             except BaseException as e:  # handed to the loop's thread, which reports it (faults.run_with_exit_codes)
                 self.error = e
@@ -192,7 +173,4 @@ class BackgroundWriter:
         return self._done.is_set()
 
     def join(self) -> None:
-        if not self.done and os.environ.get(HOLD):
-            # the test's sign that the loop waits for this writer (the next save, the end, a preemption)
-            Path(os.environ[HOLD], f"waiting_step_{self.step}_rank_{self.rank}").touch()
         self._thread.join()
