@@ -156,6 +156,27 @@ def test_flops_match_a_count_of_the_vanilla_matmuls():
         - 3 * 8 * (4 * m * d * inner + 2 * m * m * inner)
 
 
+def test_every_mixers_flops_are_the_matmuls_torch_counts():
+    # each mixer's Mixer.flops (pretrain/model/flops.py) against torch's count of the matmuls of its materialised
+    # layers, for a forward above a vanilla model's (which cancels the cross-attention SDPA the counter leaves out), of
+    # one sequence (a batch computes input-independent logits once)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrain.model import build_model
+    from pretrain.model.flops import flops_per_sequence
+
+    init_single_process()
+    ids, dec = torch.randint(2, 256, (1, 12)), torch.randint(2, 256, (1, 6))
+    counted, modelled = {}, {}
+    for spec in SPECS:
+        cfg = dataclasses.replace(CFG, encoder_attention=spec, decoder_attention=spec)
+        with FlopCounterMode(display=False) as counter:
+            build_model(cfg, sdpa=False)(ids, torch.ones_like(ids), dec)
+        counted[spec], modelled[spec] = counter.get_total_flops(), flops_per_sequence(cfg, 12, 6)
+    for spec in SPECS:
+        assert 3 * (counted[spec] - counted["vanilla"]) == modelled[spec] - modelled["vanilla"], spec
+
+
 def test_loss_matches_log_softmax_and_keeps_gradients_normal():
     from pretrain.model.loss import vocab_parallel_cross_entropy
 
