@@ -13,33 +13,56 @@ from pretrain.distributed.parallel import init_single_process
 from pretrain.model.attention import SelfAttention
 from pretrain.model.mixers import MIXERS, parse_mixers
 from pretrain.model.mixers.factorized_dense import factor_pair
+from tests.registry import SPECS, assert_covers
 
 CFG = ModelConfig(vocab_size=256, d_model=24, d_ff=32, d_kv=6, num_heads=4, num_layers=1, num_decoder_layers=1,
                   max_length=16, factorized_k=3)
 NEG = torch.finfo(torch.float32).min
 
 
-def _reference_logits(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
-    """Head h's logits [b, n, m] from the parameters, one formula per mixer (paper notation)."""
-    dkv, n = CFG.d_kv, x.shape[1]
-    rows = slice(h * dkv, (h + 1) * dkv)
-    if name == "vanilla":
-        w = attn.qkv.weight.view(CFG.num_heads, 3, dkv, CFG.d_model)
-        return (x @ w[h, 0].T) @ (x @ w[h, 1].T).transpose(1, 2)  # Q K^T, T5: no 1/sqrt(d)
-    if name in ("random", "fixed_random"):
-        return attn.synth[name].r[h, :n, :m].expand(x.shape[0], n, m)  # R[:n, :m]
-    if name == "factorized_random":
-        s = attn.synth[name]
-        return (s.r1[h, :n] @ s.r2[h, :m].T).expand(x.shape[0], n, m)  # R1 R2^T
+def _vanilla(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    w = attn.qkv.weight.view(CFG.num_heads, 3, CFG.d_kv, CFG.d_model)
+    return (x @ w[h, 0].T) @ (x @ w[h, 1].T).transpose(1, 2)  # Q K^T, T5: no 1/sqrt(d)
+
+
+def _random(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    b, n, _ = x.shape
+    return attn.synth[name].r[h, :n, :m].expand(b, n, m)  # R[:n, :m]
+
+
+def _factorized_random(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    s, (b, n, _) = attn.synth[name], x.shape
+    return (s.r1[h, :n] @ s.r2[h, :m].T).expand(b, n, m)  # R1 R2^T
+
+
+def _hidden(s, x: torch.Tensor, h: int) -> torch.Tensor:
+    rows = slice(h * CFG.d_kv, (h + 1) * CFG.d_kv)
+    return torch.relu(x @ s.hidden.w1.weight[rows].T + s.hidden.w1.bias[rows])  # relu(W1 x + b1)
+
+
+def _dense(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
     s = attn.synth[name]
-    hidden = torch.relu(x @ s.hidden.w1.weight[rows].T + s.hidden.w1.bias[rows])  # relu(W1 x + b1)
-    if name == "dense":
-        return (hidden @ s.w2[h].T + s.b2[h])[..., :m]  # W2 (.) + b2, sliced to m keys
+    return (_hidden(s, x, h) @ s.w2[h].T + s.b2[h])[..., :m]  # W2 (.) + b2, sliced to m keys
+
+
+def _factorized_dense(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    s = attn.synth[name]
+    hidden = _hidden(s, x, h)
     a, b = factor_pair(CFG.max_length)
     fa = hidden @ s.wa[h].T + s.ba[h]  # [b, n, a]
     fb = hidden @ s.wb[h].T + s.bb[h]  # [b, n, b]
     # H_A repeats each element b times, H_B tiles the whole vector a times
     return (fa.repeat_interleave(b, dim=-1) * fb.repeat(1, 1, a))[..., :m]
+
+
+# head h's logits [b, n, m] from the layer's parameters, one formula per registered mixer (paper notation)
+LOGITS = {"vanilla": _vanilla, "dense": _dense, "random": _random, "fixed_random": _random,
+          "factorized_dense": _factorized_dense, "factorized_random": _factorized_random}
+
+
+def _reference_logits(attn: SelfAttention, name: str, x: torch.Tensor, h: int, m: int) -> torch.Tensor:
+    """Head h's logits [b, n, m]: `LOGITS`'s formula for mixer `name`."""
+    return LOGITS[name](attn, name, x, h, m)
 
 
 def _reference(attn: SelfAttention, mixers, x, bias, mask) -> torch.Tensor:
@@ -57,8 +80,12 @@ def _reference(attn: SelfAttention, mixers, x, bias, mask) -> torch.Tensor:
     return torch.cat(heads, dim=-1) @ attn.o.weight.T
 
 
-VARIANTS = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random",
-            "random+vanilla", "dense+vanilla", "random+dense", "factorized_random+vanilla+dense"]
+# every mixer and shipped mixture, and a mixture of three
+VARIANTS = [*SPECS, "factorized_random+vanilla+dense"]
+
+
+def test_every_registered_mixer_has_a_reference_formula():
+    assert_covers(LOGITS, "test_attention.LOGITS")
 
 
 @pytest.mark.parametrize("sdpa", [True, False])

@@ -1,11 +1,15 @@
 """bench.throughput's CPU mode as a smoke test: 2 real processes under torchrun (DP 2) on configs/tiny.yaml,
-the trainer's step for two variants, both attention paths of the one with vanilla; the table has its columns and sane numbers."""
+the trainer's step for two variants, both attention paths of the one with vanilla; the table has its columns and sane numbers.
+Its default variants: every registered mixer and the mixtures the size configs train."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from pretrain.model import MIXERS
+from tests.registry import shipped_mixtures
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,3 +37,9 @@ def test_throughput_table_under_torchrun(tmp_path):
         assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) < 100 and float(memory) > 0.05, name
         assert float(planned) > 0, name  # the planner's figure for the job (its CPU peak holds the interpreter too)
     assert done.stdout.count("| random+vanilla (sdpa) |") == 1  # printed by rank 0 only
+
+
+def test_the_default_variants_are_the_registry_and_the_size_configs_mixtures():
+    from bench.throughput import VARIANTS
+
+    assert set(VARIANTS) == {*MIXERS, *shipped_mixtures("*.yaml")} and len(VARIANTS) == len(set(VARIANTS))

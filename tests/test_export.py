@@ -21,6 +21,7 @@ from pretrain.model.mixers import MIXERS
 from pretrain.runtime.faults import EXIT_USAGE
 from pretrain.transfer.exporting import CheckpointError, export, load_pretrained, write_export
 from tests.distributed import disk_full, launch_like_srun, run_distributed
+from tests.registry import assert_covers
 from tests.test_checkpoint import _overwrite_middle
 from tests.test_hf_parity import randomize_constant_parameters
 from tokenizer.spm import Tokenizer
@@ -423,15 +424,24 @@ def _in_a_canonical_order(spec: str) -> bool:
 # logits, but only for a spec out of that order. So beside the shipped model, every mixture of three below is
 # in no canonical order, in the encoder and the decoder, with weights per layer and per head. Each position_bias
 # appears with a mixture of vanilla (where "vanilla" weighs the bias with q k^T) and a stack without vanilla.
-@pytest.mark.parametrize("encoder,decoder,per_head,position_bias", [
+# Every registered mixer is exported in an encoder and in a decoder (HF's cached generate).
+REMOTE_CODE_CASES = [
     ("random+vanilla", "random+vanilla", False, "all"),  # the shipped tiny model
     ("dense", "factorized_random+fixed_random", True, "all"),  # no dot product anywhere; per-head mixture
-    ("factorized_dense+vanilla+dense", "dense+vanilla+random", True, "all"),
+    ("factorized_dense+vanilla+dense", "factorized_dense+vanilla+random", True, "all"),
     ("random+dense+factorized_random", "factorized_random+vanilla+fixed_random", False, "all"),
     ("random+vanilla", "dense+vanilla+random", True, "vanilla"),
-    ("random", "vanilla+factorized_random", False, "vanilla"),
+    ("fixed_random", "vanilla+factorized_random", False, "vanilla"),
     ("random+vanilla", "random", False, "none"),
-])
+]
+
+
+def test_the_remote_code_cases_name_every_registered_mixer_in_each_stack():
+    assert_covers([encoder for encoder, *_ in REMOTE_CODE_CASES], "test_export.REMOTE_CODE_CASES's encoders")
+    assert_covers([decoder for _, decoder, *_ in REMOTE_CODE_CASES], "test_export.REMOTE_CODE_CASES's decoders")
+
+
+@pytest.mark.parametrize("encoder,decoder,per_head,position_bias", REMOTE_CODE_CASES)
 def test_synthesizer_export_loads_in_huggingface_with_remote_code_only(tmp_path, tokenizer_model, encoder, decoder,
                                                                         per_head, position_bias):
     assert all(not _in_a_canonical_order(spec) for spec in (encoder, decoder) if spec.count("+") == 2)

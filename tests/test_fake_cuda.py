@@ -14,45 +14,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pretrain.data.fetch import default_cache
 from pretrain.model import MIXERS
-from pretrain.model.mixers import parse_mixers
 from tests.fake_cuda import build_shim, compiler, fake_cuda_env
 from tests.fake_cuda.rehearsal import VARIANTS, WIDTHS, StrictDtypes, case_id, parse_case
 from tests.fake_cuda.sdpa_rules import refusal, torch_choice
+from tests.registry import REPO, SPECS, shipped_mixtures
 
-REPO = Path(__file__).resolve().parents[1]
-ATTENTION_KEYS = ("encoder_attention", "decoder_attention", "encoder", "decoder")  # model sections, study variants
-
-
-def shipped_mixtures() -> list[str]:
-    """Every mixture ("a+b") a config under configs/ names for a stack, in the registry's order of its parts."""
-    found = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in ATTENTION_KEYS and isinstance(value, str) and "+" in value:
-                    found.add(value)
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    for file in sorted((REPO / "configs").rglob("*.yaml")):
-        walk(yaml.safe_load(file.read_text()))
-    order = list(MIXERS)
-    return sorted(found, key=lambda spec: [order.index(name) for name in parse_mixers(spec)])
-
-
-SPECS = [*MIXERS, *shipped_mixtures()]
 # TP 1 in every variant at both widths; TP 2 (torch's fake process group) at base width with padding, full recompute
 # and DeepSpeed's bf16 cast, the variant that reaches the most (it keeps the module under a minute on 2 cores)
 CASES = [case_id(width, 1, spec, variant) for width in WIDTHS for spec in SPECS for variant in VARIANTS] + \

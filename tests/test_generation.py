@@ -11,6 +11,7 @@ from transformers import T5ForConditionalGeneration
 from pretrain.core.config import ModelConfig
 from pretrain.model import build_local_model, full_state_dict, generate_greedy
 from pretrain.model.hf_convert import hf_config, to_hf_state_dict
+from tests.registry import SPECS
 from tests.test_hf_parity import randomize_constant_parameters
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
@@ -25,9 +26,7 @@ def _inputs():
     return ids.masked_fill(mask == 0, 0), mask
 
 
-@pytest.mark.parametrize(
-    "spec", ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random", "random+vanilla"]
-)
+@pytest.mark.parametrize("spec", SPECS)
 def test_cached_equals_recomputed(spec):
     torch.manual_seed(0)
     model = build_local_model(dataclasses.replace(CFG, decoder_attention=spec, mixture_per_head=True)).eval()

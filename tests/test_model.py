@@ -13,11 +13,12 @@ import torch
 from pretrain.core.config import ModelConfig
 from pretrain.distributed.parallel import init_single_process
 from pretrain.model import build_local_model, check_model, universal_checkpoint_info
+from pretrain.model.mixers import MIXERS
 from pretrain.model.mixers.factorized_dense import factor_pair
+from tests.registry import SPECS, assert_covers
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   max_length=16, factorized_k=3, relative_attention_num_buckets=8, relative_attention_max_distance=16)
-SINGLE = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random"]
 
 
 def _model(**changes):
@@ -25,7 +26,7 @@ def _model(**changes):
     return build_local_model(dataclasses.replace(CFG, **changes))
 
 
-@pytest.mark.parametrize("spec", SINGLE + ["random+vanilla+factorized_dense"])
+@pytest.mark.parametrize("spec", [*MIXERS, "random+vanilla+factorized_dense"])
 def test_decoder_is_causal(spec):
     model = _model(decoder_attention=spec, encoder_attention=spec).eval()
     ids, mask = torch.randint(2, 256, (2, 12)), torch.ones(2, 12, dtype=torch.long)
@@ -39,9 +40,9 @@ def test_decoder_is_causal(spec):
         assert not torch.allclose(out[:, i + 1 :], base[:, i + 1 :])  # later positions do see the change
 
 
-def _extra(name: str) -> int:
-    """Self-attention parameters of one layer beyond the output projection (docs/model.md, "Mixers and their
-    parameters")."""
+def _extra() -> dict[str, int]:
+    """Per registered mixer, its self-attention parameters of one layer beyond the output projection (docs/model.md,
+    "Mixers and their parameters")."""
     d, h, dkv, n, k = CFG.d_model, CFG.num_heads, CFG.d_kv, CFG.max_length, CFG.factorized_k
     inner = h * dkv
     a, b = factor_pair(n)
@@ -52,21 +53,22 @@ def _extra(name: str) -> int:
         "fixed_random": h * n * n,  # same, frozen
         "factorized_dense": d * inner + inner + h * (a + b) * (dkv + 1),
         "factorized_random": 2 * h * n * k,  # R1_h, R2_h: 2 N k per head
-    }[name]
+    }
 
 
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("spec", SINGLE + ["random+vanilla", "dense+random"])
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("per_head", [False, True])
 def test_parameter_counts_follow_formulas(spec, per_head):
     vanilla = _count(_model())
     model = _model(encoder_attention=spec, decoder_attention=spec, mixture_per_head=per_head)
     mixers = spec.split("+")
     mix = (CFG.num_heads if per_head else 1) * len(mixers) if len(mixers) > 1 else 0
-    per_layer = sum(_extra(m) for m in mixers) + mix - _extra("vanilla")
+    extra = _extra()
+    per_layer = sum(extra[m] for m in mixers) + mix - extra["vanilla"]
     assert _count(model) - vanilla == (CFG.num_layers + CFG.num_decoder_layers) * per_layer
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert frozen == (4 * CFG.num_heads * CFG.max_length**2 if "fixed_random" in mixers else 0)
@@ -154,6 +156,27 @@ def test_flops_match_a_count_of_the_vanilla_matmuls():
         - 3 * 8 * (4 * m * d * inner + 2 * m * m * inner)
 
 
+def test_every_mixers_flops_are_the_matmuls_torch_counts():
+    # each mixer's Mixer.flops (pretrain/model/flops.py) against torch's count of the matmuls of its materialised
+    # layers, for a forward above a vanilla model's (which cancels the cross-attention SDPA the counter leaves out), of
+    # one sequence (a batch computes input-independent logits once)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrain.model import build_model
+    from pretrain.model.flops import flops_per_sequence
+
+    init_single_process()
+    ids, dec = torch.randint(2, 256, (1, 12)), torch.randint(2, 256, (1, 6))
+    counted, modelled = {}, {}
+    for spec in SPECS:
+        cfg = dataclasses.replace(CFG, encoder_attention=spec, decoder_attention=spec)
+        with FlopCounterMode(display=False) as counter:
+            build_model(cfg, sdpa=False)(ids, torch.ones_like(ids), dec)
+        counted[spec], modelled[spec] = counter.get_total_flops(), flops_per_sequence(cfg, 12, 6)
+    for spec in SPECS:
+        assert 3 * (counted[spec] - counted["vanilla"]) == modelled[spec] - modelled["vanilla"], spec
+
+
 def test_loss_matches_log_softmax_and_keeps_gradients_normal():
     from pretrain.model.loss import vocab_parallel_cross_entropy
 
@@ -180,14 +203,13 @@ def test_shared_parameters_start_equal_whatever_the_mixers():
     # a study pairs seed s of every variant: the parameters two variants share (embeddings, norms, FFNs,
     # cross-attention, output projections, vanilla's Q/K/V in a mixture) start bit for bit equal, and the
     # generator is left in the same state (training-time draws), though the variants draw different extras
-    specs = ["vanilla", "random", "random+vanilla", "dense+vanilla", "factorized_random"]
     states, after = {}, {}
-    for spec in specs:
+    for spec in SPECS:
         model = _model(encoder_attention=spec, decoder_attention=spec)
         states[spec] = dict(model.named_parameters())
         after[spec] = torch.rand(4)
     vanilla = states["vanilla"]
-    for spec in specs[1:]:
+    for spec in SPECS:
         shared = vanilla.keys() & states[spec].keys()
         assert len(shared) > len(vanilla) // 2 and "encoder.layers.1.attn.o.weight" in shared, spec
         for name in shared:
@@ -240,20 +262,28 @@ def test_initial_logit_std_per_mixer(init):
         assert got == pytest.approx(expected, rel=0.05 if mixer != "factorized_dense" else 0.15), (mixer, got)
 
 
+def test_every_registered_mixer_has_its_parameter_count_and_initial_std():
+    assert_covers(_extra(), "test_model._extra()")
+    for init, table in INITIAL_STD.items():
+        assert_covers(table, f"test_model.INITIAL_STD[{init!r}]")
+
+
 def test_the_remote_code_draws_synthesizers_as_ours():
     # a model built from an export's config.json by HF (not loaded) starts from the same distributions as ours
     from pretrain.model.hf_convert import hf_config
     from pretrain.model.hf_synthesizer.modeling_synthesizer_t5 import SynthesizerT5ForConditionalGeneration
     from pretrain.model.pretrained import self_attention_hf_name
 
-    spec = "random+dense+factorized_random+factorized_dense"
+    synthesizers = [name for name, mixer in MIXERS.items() if mixer.build is not None]
+    spec = "+".join(synthesizers)
     for init in ("t5", "mesh_tf"):
         cfg = dataclasses.replace(SMALL, vocab_size=128, num_layers=1, num_decoder_layers=1, encoder_attention=spec,
                                   decoder_attention="vanilla", synthesizer_init=init)
         torch.manual_seed(0)
         ours = {n: p for n, p in build_local_model(cfg).named_parameters() if ".synth." in n}
         hf = dict(SynthesizerT5ForConditionalGeneration(hf_config(cfg)).named_parameters())
-        assert len(ours) == len([n for n in hf if n.startswith("encoder.") and ".synth." in n]) == 13
+        assert len(ours) == len([n for n in hf if n.startswith("encoder.") and ".synth." in n])
+        assert {n.split(".synth.")[1].split(".")[0] for n in ours} == set(synthesizers)
         for name, p in ours.items():
             other = hf[self_attention_hf_name(name)]
             std, expected = float(other.detach().std()), float(p.detach().std())

@@ -14,15 +14,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from pretrain.core.config import Config, load_config
 from pretrain.distributed.parallel import init_single_process, padded_vocab_size
-from pretrain.model import build_local_model, build_model
+from pretrain.model import MIXERS, build_local_model, build_model
+from pretrain.model.mixers import parse_mixers
+from pretrain.model.mixers.factorized_dense import factor_pair
 from pretrain.plan import main
 from pretrain.planning.memory import activation_bytes, meta_model, model_state_bytes, trace_activations
 from pretrain.planning.planner import check_job
 from tests.distributed import run_distributed
+from tests.registry import SPECS, assert_covers
 
 SMALL = ["model.vocab_size=1100", "model.d_model=64", "model.d_kv=16", "model.num_heads=4", "model.d_ff=128",
          "model.max_length=128", "data.input_length=128", "model.num_layers=2", "model.num_decoder_layers=2"]
-MIXERS = ["vanilla", "dense", "random", "fixed_random", "factorized_dense", "factorized_random", "random+vanilla"]
 
 
 def _measured_peak(cfg: Config, micro: int, n: int, m: int, mode: str) -> int:
@@ -47,7 +49,7 @@ def _measured_peak(cfg: Config, micro: int, n: int, m: int, mode: str) -> int:
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", SPECS)
 def test_activation_estimate_within_25_percent_of_measured_peak(mixer, mode):
     cfg = load_config(Config, "configs/tiny.yaml", SMALL + [f"model.encoder_attention={mixer}",
                                                             f"model.decoder_attention={mixer}"])
@@ -365,12 +367,25 @@ def test_sizes_print_in_the_unit_that_fits_and_the_advice_stays_within_the_run(c
     assert advised and int(advised.group(1)) == 0 and "(one save, at the end of the 40 steps)" in err, err
 
 
-@pytest.mark.parametrize("spec, per_layer", [
-    ("random+vanilla", lambda c: {"random": c.num_heads * c.max_length**2}),  # R: [h, N, N]
-    ("dense+vanilla", lambda c: {"dense": c.num_heads * c.d_kv * c.max_length + c.num_heads * c.max_length}),  # W2, b2
-    ("vanilla", lambda c: {}),
-])
-def test_the_planner_states_the_parameters_bound_to_max_length(capsys, spec, per_layer):
+# per registered mixer, (model config) -> its parameters of one layer that grow with model.max_length N, over all
+# heads (the paper's shapes)
+LENGTH_BOUND = {
+    "vanilla": lambda c: 0,
+    "dense": lambda c: c.num_heads * c.d_kv * c.max_length + c.num_heads * c.max_length,  # W2 [h, N, d_kv], b2 [h, N]
+    "random": lambda c: c.num_heads * c.max_length**2,  # R: [h, N, N]
+    "fixed_random": lambda c: c.num_heads * c.max_length**2,  # the same, frozen
+    # W_A [h, a, d_kv], b_A [h, a], W_B [h, b, d_kv], b_B [h, b]; a x b = N
+    "factorized_dense": lambda c: c.num_heads * sum(factor_pair(c.max_length)) * (c.d_kv + 1),
+    "factorized_random": lambda c: 2 * c.num_heads * c.max_length * c.factorized_k,  # R1, R2: [h, N, k]
+}
+
+
+def test_every_registered_mixer_has_its_length_bound_parameters():
+    assert_covers(LENGTH_BOUND, "test_plan.LENGTH_BOUND")
+
+
+@pytest.mark.parametrize("spec", ["random+vanilla", "dense+vanilla", "vanilla", "+".join(MIXERS)])
+def test_the_planner_states_the_parameters_bound_to_max_length(capsys, spec):
     # issue 46: the parameters that grow with model.max_length, by mixer, against the paper's shapes (at TP 2 each
     # rank holds half the heads); none for a vanilla model
     over = [f"model.encoder_attention={spec}", f"model.decoder_attention={spec}", "model.max_length=1024"]
@@ -379,7 +394,7 @@ def test_the_planner_states_the_parameters_bound_to_max_length(capsys, spec, per
     out = capsys.readouterr().out
     cfg = load_config(Config, "configs/base.yaml", over).model
     layers = cfg.num_layers + (cfg.num_decoder_layers or cfg.num_layers)
-    expected = {name: n * layers // 2 for name, n in per_layer(cfg).items()}
+    expected = {name: LENGTH_BOUND[name](cfg) * layers // 2 for name in parse_mixers(spec) if LENGTH_BOUND[name](cfg)}
     line = [x for x in out.splitlines() if "bound to model.max_length" in x]
     if not expected:
         assert not line

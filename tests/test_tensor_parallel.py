@@ -22,6 +22,7 @@ from pretrain.model import (
     universal_checkpoint_info,
 )
 from tests.distributed import run_distributed
+from tests.registry import assert_covers
 from tests.test_parallel import assert_tp2_dp2_layout, layout_report
 
 CFG = ModelConfig(vocab_size=256, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
@@ -45,6 +46,11 @@ VARIANTS = [
     # with a padding mask, and dense with is_causal under selective recompute; greedy decoding through the cache
     ("factorized_random+dense+vanilla", "dense", True, "selective", "none"),
 ]
+
+
+def test_the_variants_name_every_registered_mixer_in_each_stack():
+    assert_covers([enc for enc, *_ in VARIANTS], "test_tensor_parallel.VARIANTS's encoders")
+    assert_covers([dec for _, dec, *_ in VARIANTS], "test_tensor_parallel.VARIANTS's decoders")
 
 
 def _cfg(enc: str, dec: str, per_head: bool, position_bias: str = "all") -> ModelConfig:
