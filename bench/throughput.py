@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"{planned / 2**30:.2f}"))
         if dims.rank == 0:
             print(line(rows[-1]), flush=True)
+            if _HELD[0] > 2**30:
+                print(f"  ({_HELD[0] / 2**30:.1f} GiB were still allocated when {variant} started, outside its peak)",
+                      flush=True)
         del engine, model, batches
     table = "\n".join(line(r) for r in [columns, ("---",) * len(columns), *rows])
     if dims.rank == 0 and args.out:
