@@ -252,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
                     for form in forms:
                         runs[form].append(measure(attn, form, inputs, grad))
                 results = {form: (min(t for t, _ in r), max(m for _, m in r)) for form, r in runs.items()}
-                cpu_fused = attn.cpu_math_wins or not attn._mask_grad(inputs["additive"], None)
-                chosen = "fused" if attn.dot and (device.type == "cuda" or cpu_fused) else "materialised"
+                trained = attn._mask_grad(inputs["additive"], None)
+                takes = not (trained and attn.cuda_materialises_with_trained_mask) if device.type == "cuda" else \
+                    attn.cpu_math_wins or not trained
+                chosen = "fused" if attn.dot and takes else "materialised"
                 (mt, mm), (ft, fm) = results["materialised"], results.get("fused", (float("nan"), 0))
                 cells = [f"{mt:.3f}", f"{mm / 2**20:.0f}"] + (
                     [f"{ft:.3f}", f"{fm / 2**20:.0f}", f"{ft / mt:.2f}", f"{fm / max(mm, 1):.2f}"] if attn.dot else

@@ -83,7 +83,8 @@ def test_cuda_attention_layer_equals_float64_reference(spec, dtype):
         out = layer(on["x"], bias_on, padding_mask(keep.to(DEVICE), dt))
         (out * on["g"]).sum().backward()
     got = {**_grads(layer), "bias": bias_on.grad}
-    fused = layer.dot and DEVICE == "cuda"
+    # on CUDA every layer with a Q' K'^T mixer takes its fused form, but an input-independent one under a trained mask
+    fused = DEVICE == "cuda" and layer.dot and not layer.cuda_materialises_with_trained_mask
     kernel = "_scaled_dot_product_efficient_attention"  # the trained mask: sdpa.py names the memory-efficient kernel
     # materialised logits (or SDPA's math path): a softmax over [.., n, m] (a mixture's weights take one over mixers)
     logits = [op for op, shape in ops.seen if "softmax" in op and shape[-2:] == (n, n)]

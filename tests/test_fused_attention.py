@@ -260,3 +260,24 @@ def test_bf16_mask_terms_are_summed_in_fp32():
              torch.tensor([0.75, 0.0], dtype=torch.bfloat16), None]
     assert sum_wide(terms, torch.bfloat16).tolist() == [258.0, 1.0]
     assert sum_wide([None], torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("spec, fused", [("factorized_random", False), ("dense", True), ("vanilla", True),
+                                         ("factorized_random+vanilla", True), ("random+vanilla", True)])
+def test_cuda_training_with_a_trained_bias_takes_the_form_measured_best(spec, fused, monkeypatch):
+    # on an H200 (docs/model.md, "Fused attention") the fused form with T5's bias as a trained mask wins for every
+    # layer with a Q' K'^T mixer but factorized_random alone, whose batch-shared softmax is 2.1-2.9x faster and 0.7x
+    # the memory at N 2048-4096; the kernels want head dimensions padded to a multiple of 8 (dense's d_kv + 1). Run on
+    # meta as the planner traces a CUDA job (sdpa.meta_as), so the plan counts the form the GPU takes
+    from pretrain.model.sdpa import meta_as
+
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: calls.append((q, k, v)) or
+                        torch.empty(*q.shape[:-1], v.shape[-1], device="meta"))
+    attn = _layer(spec).float().to("meta").train()
+    n = 11
+    bias = torch.empty(1, CFG.num_heads, n, n, device="meta", requires_grad=True)
+    with meta_as("cuda"):
+        attn(torch.empty(2, n, CFG.d_model, device="meta"), bias, None)
+    assert bool(calls) == fused
+    assert all(t.shape[-1] % 8 == 0 for call in calls for t in call), [t.shape for call in calls for t in call]

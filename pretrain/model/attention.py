@@ -17,9 +17,10 @@ in fp32, and a decoder's causal mask alone goes in as `is_causal`. The kernel is
 (pretrain/model/sdpa.py), from what the layer is, so a no-grad forward and its recompute run the same one.
 Materialised (`_mixed`): the logits and an fp32 softmax are built explicitly, which also allows the batch-shared
 softmax of input-independent mixers; always so for layers without a Q' K'^T mixer (random, fixed_random,
-factorized_dense and their mixtures). `sdpa=None` (default) takes the fused form on CUDA and wherever its mask needs
-no gradient (on the CPU: `position_bias: none`, or evaluation), and materialised logits for CPU training with a
-trained mask, except for layers of Q' K'^T mixers alone other than vanilla and factorized_random alone (dense,
+factorized_dense and their mixtures). `sdpa=None` (default) takes the fused form on CUDA (but for input-independent
+layers, factorized_random alone, with a trained mask: their batch-shared softmax measured faster and smaller) and
+wherever its mask needs no gradient (on the CPU: `position_bias: none`, or evaluation), and materialised logits for
+CPU training with a trained mask, except for layers of Q' K'^T mixers alone other than vanilla and factorized_random alone (dense,
 dense+vanilla, factorized_random+vanilla: `cpu_math_wins`), where SDPA's math path measured less memory and at least
 the same speed; True / False force one (tests, benchmarks).
 `recompute` (train.activation_checkpointing: selective) recomputes that core in the backward instead of
@@ -41,7 +42,7 @@ from pretrain.core.config import ModelConfig, UsageError
 from pretrain.model.init import init_scope
 from pretrain.model.layers import ColumnLinear, RowLinear, head_parameter
 from pretrain.model.mixers import MIXERS
-from pretrain.model.sdpa import attend, sdpa_backend
+from pretrain.model.sdpa import attend, device_kind, sdpa_backend
 
 
 def bias_placement(position_bias: str, mixers: tuple[str, ...]) -> str | None:
@@ -191,6 +192,10 @@ class SelfAttention(nn.Module):
         # mixer (random+vanilla: its whole model measured no faster, 1.03-1.18x)
         independent = all(MIXERS[name].matrix is not None for name in mixers)
         self.cpu_math_wins = self.dot == mixers and mixers != ("vanilla",) and not independent
+        # measured on an H200 (bf16, batch 8, 12 heads): with a trained mask, factorized_random alone is 2.1-2.9x the
+        # time and 1.4-1.6x the memory of its batch-shared softmax at N 2048-4096 through the memory-efficient kernel
+        # (which takes the mask's gradient at [b, heads, n, m]); without one, fused is 0.14x the memory at 4096
+        self.cuda_materialises_with_trained_mask = independent
         if len(mixers) > 1:
             if cfg.mixture_per_head:
                 self.mix = head_parameter(torch.zeros(cfg.num_heads, len(mixers)), tp_rank, tp)  # [heads, k]
@@ -224,7 +229,12 @@ class SelfAttention(nn.Module):
         additive = add_optional(bias, mask)  # [b|1, heads/tp, n, m] or None
         p = self.dropout if self.training else 0.0
         mask_grad = self._mask_grad(additive, vanilla_bias)
-        sdpa = self.sdpa if self.sdpa is not None else x.is_cuda or not mask_grad or self.cpu_math_wins
+        if self.sdpa is not None:
+            sdpa = self.sdpa
+        elif device_kind(x.device) == "cuda":
+            sdpa = not (mask_grad and self.cuda_materialises_with_trained_mask)
+        else:
+            sdpa = not mask_grad or self.cpu_math_wins
         if "vanilla" in self.mixers:
             q, k, v = _split_heads(self.qkv(x), self.heads, 3, self.d_kv)  # [b, heads/tp, n, d_kv] each
         else:

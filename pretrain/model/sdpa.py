@@ -34,7 +34,8 @@ def meta_as(device: str):
         _META_AS.pop()
 
 
-def _kind(device: torch.device) -> str:
+def device_kind(device: torch.device) -> str:
+    """The device whose kernels a tensor on `device` takes (meta: see meta_as)."""
     return _META_AS[-1] if device.type == "meta" else device.type
 
 
@@ -42,7 +43,7 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, masked: bool, mask_gr
                  head_dim: int) -> SDPBackend:
     """The one kernel for a layer: `masked` an attn_mask is passed, `mask_grad` it is trained (see the module
     docstring); `head_dim` the larger of Q's and V's."""
-    kind = _kind(device)
+    kind = device_kind(device)
     if kind == "cpu":
         return SDPBackend.FLASH_ATTENTION if not mask_grad and p == 0 else SDPBackend.MATH
     if kind != "cuda" or dtype == torch.float64:
@@ -73,7 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         mask = mask.detach()
     if backend != SDPBackend.MATH:
         dim = max(q.shape[-1], dv)
-        dim = _round8(dim) if _kind(q.device) == "cuda" else dim
+        dim = _round8(dim) if device_kind(q.device) == "cuda" else dim
         q, k, v = _pad(q, dim), _pad(k, dim), _pad(v, dim)
     with sdpa_kernel([backend]):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=1.0)

@@ -131,9 +131,8 @@ def meta_model(cfg: Config, tp: int, device: str = "cuda") -> torch.nn.Module:
     path it takes on `device`; allocates nothing and draws nothing from torch's generators."""
     from pretrain.model import build_model  # imported where used: pretrain.model imports this module's users
 
-    with tp_shapes(tp):
-        # sdpa None picks the path from the tensors' device at run time, which on meta is not the job's
-        model = build_model(cfg.model, sdpa=True if device == "cuda" else None, device="meta")
+    with tp_shapes(tp):  # its forward picks `device`'s attention path under sdpa.meta_as (trace_activations)
+        model = build_model(cfg.model, device="meta")
     return model.to(_DTYPES[cfg.precision])
 
 
