@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         planned_layers = sum(trace.blocks)
         planned = {"attention": trace.core, "layers": planned_layers - trace.core, "rest": trace.rest + trace.logits}
         torch.manual_seed(0)
-        model = build_model(model_cfg, device=device, sdpa=True if device.type == "cuda" else None)
+        model = build_model(model_cfg, device=device)  # the path the trainer takes
         model = model.to(_DTYPES[args.precision]).train()
         got = measured(model, micro, n, m, min(vocab, 32000), device)
         cells = [f"{planned[r] / MiB:.0f} / {got[r] / MiB:.0f}" for r in ("attention", "layers", "rest")]

@@ -29,6 +29,9 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 # user's): a FutureWarning per rank at each gather of a job
 warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
                         category=FutureWarning)
+# NCCL's barrier on the device "under current context": init_distributed sets each rank's device before any
+# collective, so that is the rank's own GPU (seen once per process in the H200 check's pretraining and fine-tuning)
+warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context", category=UserWarning)
 
 
 class _DebugLevel(logging.Filter):

@@ -3,6 +3,7 @@ around the model, from the config dict pretrain.core.deepspeed_config derives fr
 """
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ def _skip_on_invalid_norm(zero_optimizer) -> None:
         zero_optimizer.check_grad_overflow = not bool(torch.isfinite(norm) & (norm >= 0))
         return norm
 
+    @functools.wraps(step)  # keeps the LR scheduler's mark on the step it wrapped (else torch warns at every start)
     def guarded_step(*args, **kwargs):
         zero_optimizer.check_grad_overflow = False  # no overflow all-reduce and .item() before the norm
         return step(*args, **kwargs)
@@ -50,6 +52,7 @@ def _clip_on_device(wrapper, max_norm: float) -> None:
     inner = wrapper.optimizer
     step = inner.step
 
+    @functools.wraps(step)  # the LR scheduler wrapped `step` and checks for its mark (else it warns at every start)
     def clipped_step(*args, **kwargs):
         norm = torch.as_tensor(wrapper._global_grad_norm)
         grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]

@@ -20,6 +20,7 @@ again with the next ones. No micro batch waits on the host: losses stay on the d
 """
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -82,6 +83,7 @@ def install_skip_guard(engine) -> bool:
         return False
     step = optimizer.step
 
+    @functools.wraps(step)  # keeps the LR scheduler's mark on the step it wrapped (else torch warns at every start)
     def guarded_step(*args, **kwargs):
         return None if optimizer.overflow else step(*args, **kwargs)
 
