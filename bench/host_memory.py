@@ -1,8 +1,8 @@
 """Peak host memory (resident set) of the start-ups that read a whole model, against the model's fp32 bytes, each
 in a fresh process and counted from the resident set after its imports:
-- fine-tuning's start-up: an export into the model built on the rank's device (`pretrain.finetune.build_from_export`,
-  one tensor at a time through `pretrain.model.pretrained`), next to building that model alone: on the CPU the
-  model itself is host memory, so what loading costs is the difference;
+- fine-tuning's start-up: an export into the model built on the rank's device (`pretrain.runtime.jobs.start_model`
+  reads it one tensor at a time through `pretrain.model.pretrained.load_weights`), next to building that model
+  alone: on the CPU the model itself is host memory, so what loading costs is the difference;
 - export: a training checkpoint into an export folder (`pretrain.transfer.exporting.export`).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.host_memory --tokenizer SPIECE [--d-model 1024 --d-ff 2816
@@ -33,7 +33,7 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
     """In this (fresh) process: the resident set after imports, the peak after them, and the model's bytes."""
     from pretrain.distributed.parallel import init_single_process
     from pretrain.model import build_model
-    from pretrain.model.pretrained import build_from_export, export_config
+    from pretrain.model.pretrained import export_config, load_weights
     from pretrain.transfer.exporting import export
 
     init_single_process()
@@ -50,7 +50,9 @@ def _measure(what: str, source: str, output: str) -> dict[str, int]:
     imports = _status("VmRSS")
     if what in ("build", "finetune"):
         cfg = export_config(source)
-        model = build_model(cfg) if what == "build" else build_from_export(cfg, source, freeze_mixture=False)
+        model = build_model(cfg)
+        if what == "finetune":
+            load_weights(model, source, strict=True)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         out = export(source, output)

@@ -29,8 +29,8 @@ from pretrain.core.config import ModelConfig, UsageError, parse_args, to_yaml
 from pretrain.core.finetune_config import FinetuneConfig
 from pretrain.data.task_examples import ExampleStream, check_examples, tokenize
 from pretrain.distributed.parallel import ParallelDims
-from pretrain.model import with_vocab
-from pretrain.model.pretrained import build_from_export, export_config, foreign_tokenizer
+from pretrain.model import build_model, with_vocab
+from pretrain.model.pretrained import export_config, foreign_tokenizer
 from pretrain.runtime.checkpoint import Progress, RunInputs
 from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes
 from pretrain.runtime.jobs import Job, init_job, run_job
@@ -49,14 +49,19 @@ class Finetuning(Job):
                  tokenizer: Tokenizer) -> None:
         super().__init__(cfg, model_cfg, RunInputs.of(cfg.data.tokenizer, task_file=Path(cfg.data.dir) / task.train))
         self.task, self.examples, self.tokenizer = task, examples, tokenizer
-        self.weights = "" if cfg.from_scratch else cfg.init  # a resume restores its own master weights
+        self.weights = "" if cfg.from_scratch else cfg.init  # from_scratch: the model as initialised (run.seed)
+        self.strict_weights = True
         self.max_input_length = input_limit(model_cfg, cfg.task.max_input_length)
 
-    def build_model(self, dims: ParallelDims, resuming: bool) -> torch.nn.Module:
-        cfg = self.cfg
-        return build_from_export(self.model_cfg, cfg.init, cfg.task.freeze_mixture,
-                                 cfg.train.activation_checkpointing, cfg.train.compile, dims.device,
-                                 weights=not cfg.from_scratch)
+    def build_model(self, dims: ParallelDims) -> torch.nn.Module:
+        """The export's model; `task.freeze_mixture`: its mixture weights (`attn.mix`) are not trained."""
+        train = self.cfg.train
+        model = build_model(self.model_cfg, activation_checkpointing=train.activation_checkpointing,
+                            compile=train.compile, device=dims.device)
+        for name, param in model.named_parameters():
+            if self.cfg.task.freeze_mixture and name.endswith(".attn.mix"):
+                param.requires_grad_(False)
+        return model
 
     def build_data(self, dims: ParallelDims) -> ExampleStream:
         return ExampleStream(tokenize(self.examples, self.tokenizer, self.max_input_length),

@@ -27,7 +27,7 @@ from pretrain.data.shards import expand_shards
 from pretrain.distributed.parallel import ParallelDims
 from pretrain.model import build_model, with_vocab
 from pretrain.model.flops import flops_per_sequence
-from pretrain.model.pretrained import check_init_folder, load_weights
+from pretrain.model.pretrained import LoadReport, check_init_folder
 from pretrain.planning.planner import Layout, check_job, check_memory, with_layout
 from pretrain.runtime.checkpoint import Progress, RunInputs
 from pretrain.runtime.faults import run_with_exit_codes
@@ -51,19 +51,18 @@ class Pretraining(Job):
         self.flops_per_step = cfg.train.global_batch * flops_per_sequence(cfg.model, layout.input_length,
                                                                           layout.target_length)
 
-    def build_model(self, dims: ParallelDims, resuming: bool) -> torch.nn.Module:
-        """`init`'s weights unless this run resumes its own checkpoint (a requeue continues): what fits is loaded,
-        the rest keeps its draw from the run's seed; the lists go to the log and to run.dir/init.json."""
+    def build_model(self, dims: ParallelDims) -> torch.nn.Module:
         cfg = self.cfg
-        model = build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
-                            compile=cfg.train.compile, device=dims.device)
-        if cfg.init and not resuming:
-            report = load_weights(model, cfg.init, resize_vocab=cfg.init_resize_vocab)
-            log.info("init %s: %d tensors loaded, %d fresh (%s), %d of the folder unused", cfg.init,
-                     len(report.loaded), len(report.fresh), ", ".join(report.fresh) or "none", len(report.unused))
-            if dims.rank == 0:
-                write_atomic(Path(cfg.run.dir) / "init.json", json.dumps(dataclasses.asdict(report), indent=1) + "\n")
-        return model
+        return build_model(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing,
+                           compile=cfg.train.compile, device=dims.device)
+
+    def weights_loaded(self, report: LoadReport, dims: ParallelDims) -> None:
+        """`init`'s weights (unless this run resumes its own checkpoint): what fits is loaded, the rest keeps its
+        draw from the run's seed; the lists go to the log and to run.dir/init.json."""
+        log.info("init %s: %d tensors loaded, %d fresh (%s), %d of the folder unused", self.cfg.init,
+                 len(report.loaded), len(report.fresh), ", ".join(report.fresh) or "none", len(report.unused))
+        if dims.rank == 0:
+            write_atomic(Path(self.cfg.run.dir) / "init.json", json.dumps(dataclasses.asdict(report), indent=1) + "\n")
 
     def build_data(self, dims: ParallelDims):
         self.loader = build_train_loader(self.cfg.data, seed=self.cfg.run.seed, dp_rank=dims.dp_rank,

@@ -27,15 +27,37 @@ TINY = load_config(Config, "configs/tiny.yaml")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _started(dims, export_dir: str, *overrides: str):
+    """Fine-tuning's start (pretrain.runtime.jobs.start_model) from the export in this process group: the engine
+    around the model with the export's weights, as `pretrain.finetune` starts it (an empty task file: no data)."""
+    from pretrain.core.config import load_config
+    from pretrain.core.finetune_config import FinetuneConfig
+    from pretrain.finetune import Finetuning
+    from pretrain.model import with_vocab
+    from pretrain.runtime.jobs import start_model
+    from pretrain.tasks import get_task
+    from tokenizer.spm import Tokenizer
+
+    task, folder = get_task("sst2"), Path(export_dir).with_name("SST-2")
+    folder.mkdir(exist_ok=True)
+    (folder / task.train).write_text("sentence\tlabel\n")
+    cfg = load_config(FinetuneConfig, None, [f"init={export_dir}", f"data.dir={folder}", "train.micro_batch=1",
+                                             f"train.global_batch={dims.dp}", *overrides])
+    tokenizer = Tokenizer(Path(export_dir) / "spiece.model")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer.path)))
+    model_cfg = with_vocab(export_config(export_dir), tokenizer.num_ids)
+    return start_model(Finetuning(cfg, model_cfg, task, [], tokenizer), dims, plan=None)
+
+
 def _start_at_tp2(rank, world, export_dir):
     from megatron.core import parallel_state
 
     from pretrain.core.config import ParallelConfig
     from pretrain.distributed.parallel import init_distributed
-    from pretrain.model.pretrained import build_from_export
 
-    init_distributed(ParallelConfig(tensor=2), seed=0)
-    model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=True).eval()
+    dims = init_distributed(ParallelConfig(tensor=2), seed=0)
+    model = _started(dims, export_dir, "parallel.tensor=2", "zero.stage=0", "precision=fp32",
+                     "task.freeze_mixture=true").module.eval()
     ids = torch.arange(2, 22).view(2, 10)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids[:, :5]).logits
@@ -73,18 +95,13 @@ def _master_weights(rank, world, export_dir):
     """Per ZeRO stage, the bf16 engine's fp32 master weights right after fine-tuning's start-up (DP 2)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from pretrain.core.config import ParallelConfig, TrainConfig, ZeroConfig
+    from pretrain.core.config import ParallelConfig
     from pretrain.distributed.parallel import init_distributed
-    from pretrain.model.pretrained import build_from_export
-    from pretrain.runtime.engine import build_engine, load_master_weights
 
-    init_distributed(ParallelConfig(backend="gloo"), seed=0)
+    dims = init_distributed(ParallelConfig(backend="gloo"), seed=0)
     masters = {}
     for stage in (1, 2):
-        model = build_from_export(export_config(export_dir), export_dir, freeze_mixture=False)
-        engine = build_engine(model, TrainConfig(micro_batch=1, global_batch=world), ZeroConfig(stage=stage), "bf16",
-                              world)
-        load_master_weights(engine, export_dir)
+        engine = _started(dims, export_dir, f"zero.stage={stage}", "precision=bf16", "parallel.backend=gloo")
         masters[stage] = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
     return masters
 

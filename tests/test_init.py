@@ -150,3 +150,45 @@ def test_a_folder_of_another_width_is_refused_naming_the_first_tensor_and_both_s
                                          r"\.weight of shape \[4, 8\], the model's encoder\.relative_bias\.weight is "
                                          r"\[2, 8\]: set"):
         load_weights(build_local_model(heads), folder)
+
+
+def _count_reads(rank, world, runs):
+    """_train_each with the weights folder's reads counted: the folders indexed (their files' headers) and each
+    tensor read, in this process."""
+    from collections import Counter
+
+    from pretrain.model.pretrained import WeightFolder
+
+    folders, tensors = Counter(), Counter()
+    index, read = WeightFolder.__init__, WeightFolder.read
+
+    def counted_index(self, folder):
+        folders[str(folder)] += 1
+        index(self, folder)
+
+    def counted_read(self, name):
+        tensors[name] += 1
+        return read(self, name)
+
+    WeightFolder.__init__, WeightFolder.read = counted_index, counted_read
+    try:
+        return _train_each(rank, world, runs), dict(folders), dict(tensors)
+    finally:
+        WeightFolder.__init__, WeightFolder.read = index, read
+
+
+def test_a_bf16_run_reads_its_init_folder_once_and_starts_its_master_weights_from_it(shards, tmp_path):
+    # the skeleton reads init= once, into the module and its fp32 master copy (before: the module's load, then a
+    # second read of the whole folder for the master copy, which DeepSpeed builds from the bf16 cast)
+    hf = _hf_folder(tmp_path / "hf")
+    overrides = [*data_overrides(shards), *ONE_STEP, *VANILLA, f"init={hf}", "precision=bf16",
+                 "parallel.backend=gloo"]
+    codes, folders, tensors = run_distributed(_count_reads, 1, [(str(tmp_path / "run"), overrides, None)])[0]
+    assert codes == [0]
+    assert folders == {str(hf): 1}
+    expected = _tensors(hf)
+    assert tensors == {name: 1 for name in expected if not name.endswith("embed_tokens.weight")}
+    # the master copy holds the folder's fp32 values, which bf16 cannot: the run's export (of the master copy) too
+    exported = _tensors(export(tmp_path / "run", tmp_path / "export", step=1))
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name

@@ -11,20 +11,17 @@ from the run's seed) and is reported as fresh; one it holds in another shape is 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
 from pretrain.core.config import ModelConfig, UsageError, saved_model_config
 from pretrain.core.manifest import mismatched
-from pretrain.model import build_model
 from pretrain.model.hf_convert import Source, hf_sources, vanilla_layout
 from pretrain.model.sharding import VOCAB_PARAMETERS, copy_full_parameter, is_tp_sharded
 from pretrain.model.t5 import T5Model
@@ -212,43 +209,16 @@ def foreign_tokenizer(folder: Path, tokenizer: Path) -> Path | None:
     return spiece if spiece.is_file() and spiece.read_bytes() != tokenizer.read_bytes() else None
 
 
-@contextlib.contextmanager
-def open_weights(model: T5Model, folder: str | Path, strict: bool = False, resize_vocab: bool = False
-                 ) -> Iterator[tuple[LoadReport, Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]]]:
-    """(what will be loaded, an iterator of (our name, parameter, its full TP 1 fp32 value from `folder`, on the
-    host), one parameter at a time, for the parameters the folder fits). `strict`: every parameter must come
-    from the folder (as a model built on `meta` and moved with `to_empty` needs)."""
+@torch.no_grad()
+def load_weights(model: T5Model, folder: str | Path, strict: bool = False, resize_vocab: bool = False) -> LoadReport:
+    """Copy every tensor of `folder` that fits into this rank's shards of `model` (any TP, on any device), one
+    parameter at a time (its full TP 1 fp32 value on the host, then this rank's slice); all TP ranks read the same
+    folder, each keeping its slice. `strict`: every parameter must come from the folder (an export of this model)."""
     weights = WeightFolder(Path(folder))
     plan, report = _plan(model, weights, resize_vocab)
     if not report.loaded or (strict and report.fresh):
         raise UsageError(f"{folder} does not match the model config: missing {report.fresh[:3]}, unexpected "
                          f"{report.unused[:3]} (compare model.* with its {CONFIG})")
-    params = dict(model.named_parameters())
-    yield report, ((name, params[name], combine([weights.read(n) for n in sources]))
-                   for name, (sources, combine) in plan.items())
-
-
-@torch.no_grad()
-def load_weights(model: T5Model, folder: str | Path, strict: bool = False, resize_vocab: bool = False) -> LoadReport:
-    """Copy every tensor of `folder` that fits into this rank's shards of `model` (any TP, on any device); all TP
-    ranks read the same folder, each keeping its slice."""
-    with open_weights(model, folder, strict, resize_vocab) as (report, tensors):
-        for name, _, full in tensors:
-            copy_full_parameter(model, name, full)
+    for name, (sources, combine) in plan.items():
+        copy_full_parameter(model, name, combine([weights.read(n) for n in sources]))
     return report
-
-
-def build_from_export(model_cfg: ModelConfig, folder: str | Path, freeze_mixture: bool,
-                      activation_checkpointing: str | bool = "none", compile: bool = False,
-                      device: torch.device | str = "cpu", weights: bool = True) -> T5Model:
-    """This rank's TP shard of the exported model on `device` (every TP size), read one parameter at a time
-    (load_weights): the host never holds the model. weights=False: the model as initialised (from run.seed), for
-    the from-scratch reference. freeze_mixture: the mixture weights (`attn.mix`) are not trained."""
-    model = build_model(model_cfg, activation_checkpointing=activation_checkpointing, compile=compile, device=device)
-    if weights:
-        load_weights(model, folder, strict=True)
-    if freeze_mixture:
-        for name, param in model.named_parameters():
-            if name.endswith(".attn.mix"):
-                param.requires_grad_(False)
-    return model

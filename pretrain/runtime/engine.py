@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -16,8 +15,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from pretrain.core.config import TrainConfig, ZeroConfig
 from pretrain.core.deepspeed_config import build_deepspeed_config, num_accumulation_steps  # noqa: F401 (jobs.py's)
 from pretrain.distributed.parallel import deepspeed_mpu
-from pretrain.model.pretrained import open_weights
-from pretrain.model.sharding import copy_full_parameter
+from pretrain.model.pretrained import LoadReport
+from pretrain.model.t5 import T5Model
 from pretrain.runtime.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -141,21 +140,36 @@ def build_engine(
     return engine
 
 
+CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions whose engine casts the module
+
+
 @torch.no_grad()
-def load_master_weights(engine: deepspeed.DeepSpeedEngine, folder: str | Path, resize_vocab: bool = False) -> None:
-    """Start the optimizer's fp32 master weights from `folder`'s fp32 values. In bf16 or fp16 DeepSpeed casts the
-    module and builds the master copy from the cast (BF16_Optimizer, ZeRO's fp32 partitions), so weights loaded
-    before `build_engine` would train on from their rounded values; in fp32 they are the module's own. Reads the
-    folder again, one parameter at a time; each DP rank sets its own fragments (no collective)."""
-    if not (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        return
-    model = engine.module
-    with open_weights(model, folder, resize_vocab=resize_vocab) as (_, tensors):
-        for name, param, full in tensors:
-            if not param.requires_grad:  # a frozen parameter has no master copy: the module's value is used
-                continue
-            value = torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
-            if value.shape == param.shape:  # not a ZeRO 3 partition: rows a resized vocabulary leaves keep theirs
-                value.copy_(param)
-            copy_full_parameter(model, name, full, into=value)
-            safe_set_full_fp32_param(param, value)
+def master_values(model: T5Model, report: LoadReport, precision: str) -> dict[str, torch.Tensor]:
+    """The fp32 values the optimizer's master copy must start from after `load_weights(model, ...)` (`report`).
+    In bf16 or fp16 DeepSpeed casts the module and builds the master copy from the cast (BF16_Optimizer, ZeRO's
+    fp32 partitions), so the loaded weights would train on from their rounded values: these are the loaded
+    parameters' own fp32 tensors, kept past the cast (no copy, no second read of the folder) until
+    `set_master_weights`. A resized vocabulary's fresh rows (init_resize_vocab) take their cast value, as in a random
+    start; a frozen parameter has no master copy. fp32: none (the module is its own master copy)."""
+    if precision not in CAST:
+        return {}
+    vocab_size, values = model.config.vocab_size, {}
+    for name in report.loaded:
+        param = model.get_parameter(name)
+        if not param.requires_grad:
+            continue
+        value = param.data
+        if report.vocab_rows.get(name, vocab_size) < vocab_size:  # rows past the folder's are this run's draws
+            start = model.tp_rank * len(value)
+            fresh = value[max(report.vocab_rows[name] - start, 0): max(vocab_size - start, 0)]
+            fresh.copy_(fresh.to(CAST[precision]))  # rounding a rounded value changes nothing: the cast is unchanged
+        values[name] = value
+    return values
+
+
+def set_master_weights(engine: deepspeed.DeepSpeedEngine, values: dict[str, torch.Tensor]) -> None:
+    """Set the fp32 master copy of each parameter named in `values` (`master_values`) to its value; each DP rank sets
+    its own fragments (no collective)."""
+    params = dict(engine.module.named_parameters())
+    for name, value in values.items():
+        safe_set_full_fp32_param(params[name], value)

@@ -16,12 +16,14 @@ from typing import Iterator, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 import yaml
+from deepspeed import DeepSpeedEngine
 
 from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
 from pretrain.distributed.parallel import ParallelDims, init_distributed
 from pretrain.model import check_model, universal_checkpoint_info
-from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, RunInputs
-from pretrain.runtime.engine import build_engine, load_master_weights, num_accumulation_steps
+from pretrain.model.pretrained import LoadReport, load_weights
+from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, ResumePlan, RunInputs
+from pretrain.runtime.engine import build_engine, master_values, num_accumulation_steps, set_master_weights
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.runtime.loop import (
     Components,
@@ -109,18 +111,23 @@ class Job(abc.ABC):
     """What one job brings to the skeleton (`run_job`): its model and where the weights come from, its data, its
     evaluation. `cfg` is the job's config; the skeleton reads its run, parallel, zero, precision, train,
     checkpoint, log and profile sections. `inputs`: what a resume must have been made from. `weights`: a folder
-    whose fp32 values start the optimizer's master weights unless the run resumes ("": none)."""
+    whose weights start the model (and the optimizer's master copy) unless the run resumes ("": none); the skeleton
+    reads it, once (`start_model`)."""
 
     weights: str = ""
     resize_vocab: bool = False  # `weights` holds another vocabulary (pretraining's init_resize_vocab)
+    strict_weights: bool = False  # every parameter must come from `weights` (an export of this very model)
     flops_per_step: float = 0.0  # model FLOPs of one step; > 0: MFU is reported
 
     def __init__(self, cfg, model_cfg: ModelConfig, inputs: RunInputs) -> None:
         self.cfg, self.model_cfg, self.inputs = cfg, model_cfg, inputs
 
     @abc.abstractmethod
-    def build_model(self, dims: ParallelDims, resuming: bool) -> torch.nn.Module:
-        """This rank's TP shard on its device, from the job's weights unless `resuming` (the checkpoint's follow)."""
+    def build_model(self, dims: ParallelDims) -> torch.nn.Module:
+        """This rank's TP shard on its device, as initialised from run.seed (the skeleton loads the weights)."""
+
+    def weights_loaded(self, report: LoadReport, dims: ParallelDims) -> None:
+        """What the job does with the report of its `weights` loaded (every rank calls)."""
 
     @abc.abstractmethod
     def build_data(self, dims: ParallelDims) -> Data:
@@ -159,13 +166,9 @@ def run_job(job: Job, dims: ParallelDims) -> int:
         plan = plan_resume(cfg.checkpoint, root, job.model_cfg, job.inputs, dims, cfg.parallel.timeout_s,
                            precision=cfg.precision, zero_stage=cfg.zero.stage, global_batch=cfg.train.global_batch)
 
-        # 2. Model (this rank's TP shard), then the engine, whose bf16/fp16 master weights start from the job's
-        #    fp32 weights, not from the cast module; a resume restores its own ------------------------------------
-        model = job.build_model(dims, resuming=plan is not None)
-        engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
-                              load_universal=bool(plan and plan.universal))
-        if job.weights and not plan:
-            load_master_weights(engine, job.weights, job.resize_vocab)
+        # 2. Model (this rank's TP shard) with the job's weights, and the engine -----------------------------------
+        engine = start_model(job, dims, plan)
+        model = engine.module
         stop_if_preempted(dims.device)
 
         # 3. Data and evaluation, opened now; checkpoints (engine, progress, data position, RNG) and restore -------
@@ -187,6 +190,23 @@ def run_job(job: Job, dims: ParallelDims) -> int:
             data.close()
     finally:
         lock.release()
+
+
+def start_model(job: Job, dims: ParallelDims, plan: ResumePlan | None) -> DeepSpeedEngine:
+    """The job's model and the DeepSpeed engine around it. Unless the run resumes (`plan`: its checkpoint has the
+    weights), the job's `weights` are read once, into the module, and start the engine's fp32 master copy too: in
+    bf16/fp16 from the loaded fp32 values, not from the module it casts (pretrain.runtime.engine.master_values)."""
+    cfg = job.cfg
+    model = job.build_model(dims)
+    masters = {}
+    if job.weights and not plan:
+        report = load_weights(model, job.weights, strict=job.strict_weights, resize_vocab=job.resize_vocab)
+        job.weights_loaded(report, dims)
+        masters = master_values(model, report, cfg.precision)
+    engine = build_engine(model, cfg.train, cfg.zero, cfg.precision, dims.dp,
+                          load_universal=bool(plan and plan.universal))
+    set_master_weights(engine, masters)
+    return engine
 
 
 def _train(job: Job, dims: ParallelDims, engine, data: Data, accumulation: int, progress: Progress,
