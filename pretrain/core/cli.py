@@ -31,8 +31,9 @@ class Key:
     meaning: str  # the field's trailing comment
 
 
-def _dataclass_fields(path: Path) -> dict[str, list[tuple[str, ast.expr | None, str, ast.expr]]]:
-    """{class name: [(field, default expression, comment, annotation)]} for every @dataclass class in the file."""
+def _dataclass_fields(path: Path) -> dict[str, tuple[list[str], list[tuple[str, ast.expr | None, str, ast.expr]]]]:
+    """{class name: ([its bases], [(field, default expression, comment, annotation)] of its own body)} for every
+    @dataclass class in the file."""
     source = path.read_text()
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
@@ -40,9 +41,10 @@ def _dataclass_fields(path: Path) -> dict[str, list[tuple[str, ast.expr | None, 
     for node in ast.parse(source).body:
         decorators = [d.func if isinstance(d, ast.Call) else d for d in getattr(node, "decorator_list", [])]
         if isinstance(node, ast.ClassDef) and any(getattr(d, "id", "") == "dataclass" for d in decorators):
-            classes[node.name] = [(s.target.id, s.value, comments.get(s.end_lineno, ""), s.annotation)
-                                  for s in node.body
-                                  if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            classes[node.name] = ([ast.unparse(b) for b in node.bases],
+                                  [(s.target.id, s.value, comments.get(s.end_lineno, ""), s.annotation)
+                                   for s in node.body
+                                   if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)])
     return classes
 
 
@@ -77,9 +79,16 @@ def schema_keys(module_file: str | Path, schema: str) -> list[Key]:
     classes = {name: f for source in CONFIG_SOURCES for name, f in _dataclass_fields(source).items()}
     classes.update(_dataclass_fields(Path(module_file)))
 
+    def fields(name: str) -> list[tuple[str, ast.expr | None, str, ast.expr]]:
+        """The bases' fields first, as `dataclasses` orders them: a field declared again keeps its base's place."""
+        bases, own = classes[name]
+        merged = {f[0]: f for base in bases if base in classes for f in fields(base)}
+        merged.update((f[0], f) for f in own)
+        return list(merged.values())
+
     def walk(name: str, prefix: str) -> list[Key]:
         keys = []
-        for field_name, value, comment, annotation in classes[name]:
+        for field_name, value, comment, annotation in fields(name):
             section = _section(value)
             if section in classes:
                 keys += walk(section, f"{prefix}{field_name}.")

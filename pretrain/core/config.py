@@ -326,23 +326,30 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class Config:
-    init: str = ""  # start from these weights: an export (pretrain.export) or a HuggingFace T5 v1.1 folder
-    init_resize_vocab: bool = False  # init: keep the token rows that fit a vocabulary of another size or tokenizer
+class JobConfig:
+    """The sections every job shares, those the job skeleton reads (pretrain.runtime.jobs.run_job); a job's schema
+    extends it with its own (Config: pretraining's; pretrain.core.finetune_config.FinetuneConfig)."""
+
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: str = "fp32"  # fp32, bf16 or fp16 (with loss scaling)
-    model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
+
+
+@dataclass(frozen=True)
+class Config(JobConfig):
+    init: str = ""  # start from these weights: an export (pretrain.export) or a HuggingFace T5 v1.1 folder
+    init_resize_vocab: bool = False  # init: keep the token rows that fit a vocabulary of another size or tokenizer
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------------------------------------

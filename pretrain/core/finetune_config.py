@@ -1,24 +1,13 @@
-"""Fine-tuning's configuration (`pretrain.finetune`): its own sections (task, data, eval) and the schema that nests
-them with the sections it shares with pretraining (pretrain.core.config: run, parallel, zero, train, checkpoint,
-log, profile). Loaded by the same `load_config` / `parse_args`; `--help` reads the field comments here too.
+"""Fine-tuning's configuration (`pretrain.finetune`): its own sections (task, data, eval) and the schema that adds
+them to the sections every job shares (pretrain.core.config.JobConfig: run, parallel, zero, precision, train,
+checkpoint, log, profile). Loaded by the same `load_config` / `parse_args`; `--help` reads the field comments here
+too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pretrain.core.config import (
-    PRECISIONS,
-    CheckpointConfig,
-    LogConfig,
-    ParallelConfig,
-    ProfileConfig,
-    RunConfig,
-    TrainConfig,
-    ZeroConfig,
-    check_at_least,
-    check_choice,
-    check_fraction,
-)
+from pretrain.core.config import PRECISIONS, JobConfig, check_at_least, check_choice, check_fraction
 
 METHODS = ("generate", "rank", "both")  # evaluation methods (pretrain.transfer.evaluation)
 
@@ -56,20 +45,13 @@ class FinetuneEvalConfig:
 
 
 @dataclass(frozen=True)
-class FinetuneConfig:
+class FinetuneConfig(JobConfig):
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16
     init: str = ""  # export folder to start from (python -m pretrain.export)
     from_scratch: bool = False  # a random initialisation of init's model (its config and tokenizer, not its weights)
-    run: RunConfig = field(default_factory=RunConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16
     task: TaskConfig = field(default_factory=TaskConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, ("auto", *PRECISIONS))
