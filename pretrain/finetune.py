@@ -33,7 +33,7 @@ from pretrain.model import build_model, with_vocab
 from pretrain.model.pretrained import export_config, foreign_tokenizer
 from pretrain.runtime.checkpoint import Progress, RunInputs
 from pretrain.runtime.faults import EXIT_OK, run_with_exit_codes
-from pretrain.runtime.jobs import Job, init_job, run_job
+from pretrain.runtime.jobs import Job, init_job, resolve_precision, run_job
 from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.schedule import with_finetune_lr
 from pretrain.tasks import Example, Task, get_task
@@ -44,6 +44,8 @@ from tokenizer.spm import Tokenizer
 class Finetuning(Job):
     """The export's model at this job's TP (its full weights, or a random draw with from_scratch), optionally with
     frozen mixture weights; the task's training file, tokenized once, streamed by DP rank; the task's metrics."""
+
+    cfg: FinetuneConfig
 
     def __init__(self, cfg: FinetuneConfig, model_cfg: ModelConfig, task: Task, examples: list[Example],
                  tokenizer: Tokenizer) -> None:
@@ -82,31 +84,40 @@ class Finetuning(Job):
                 f"{accumulation} x DP {dims.dp}, peak lr {train.lr:.3g}")
 
 
-def finetune(cfg: FinetuneConfig) -> int:
-    # Process groups, checks, the task and its files, the export's config and tokenizer: all read now
-    dims, cfg = init_job(cfg)
+def resolve(cfg: FinetuneConfig, dims: ParallelDims) -> tuple[FinetuneConfig, ModelConfig, Task, list[Example]]:
+    """The config as the job runs it, from the one loaded: the precision (auto: the device's), data.dir (a benchmark
+    root: the task's folder in it, so one data.dir serves a whole array job), train.lr (auto: by the export's width)
+    and data.tokenizer (empty: the export's); the model's config (the export's, with task.dropout and the
+    tokenizer's ids); the task and its training examples. Every file is read and checked here: the task's files
+    first, then the export's (its checksums)."""
     if not isinstance(cfg.train.micro_batch, int):
         raise UsageError(f"train.micro_batch '{cfg.train.micro_batch}': fine-tuning takes a number (auto is the "
                          "pretraining planner's)")
     if not cfg.init:
         raise UsageError("init is empty; pass init=EXPORT_DIR (made by python -m pretrain.export)")
     task = get_task(cfg.task.name)
-    if (Path(cfg.data.dir) / task.folder).is_dir():  # a benchmark root: one data.dir for a whole array job
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(Path(cfg.data.dir) / task.folder)))
-    examples = task.read(cfg.data.dir, task.train, labelled=True)
+    data_dir = str(Path(cfg.data.dir) / task.folder) if (Path(cfg.data.dir) / task.folder).is_dir() else cfg.data.dir
+    examples = task.read(data_dir, task.train, labelled=True)
     examples = examples[: cfg.task.train_examples] if cfg.task.train_examples else examples
-    check_examples(len(examples), Path(cfg.data.dir) / task.train, cfg.task, cfg.train.micro_batch, dims.dp)
-    check_evaluation_files(task, cfg.data.dir, cfg.eval.submission)
+    check_examples(len(examples), Path(data_dir) / task.train, cfg.task, cfg.train.micro_batch, dims.dp)
+    check_evaluation_files(task, data_dir, cfg.eval.submission)
     if cfg.data.tokenizer and (own := foreign_tokenizer(Path(cfg.init), Tokenizer(cfg.data.tokenizer).path)):
         raise UsageError(f"data.tokenizer ({cfg.data.tokenizer}) is not {own}, the tokenizer the export was trained "
                          "with: its token ids would mean other pieces; leave data.tokenizer empty (the export's own)")
     model_cfg = dataclasses.replace(export_config(cfg.init), dropout=cfg.task.dropout)
-    cfg = dataclasses.replace(cfg, train=with_finetune_lr(cfg.train, model_cfg.d_model))  # lr: auto
     spiece = cfg.data.tokenizer or str(Path(cfg.init) / "spiece.model")
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spiece))
-    tokenizer = Tokenizer(spiece)
-    model_cfg = with_vocab(model_cfg, tokenizer.num_ids)  # the export's token rows; padding is per TP
-    code = run_job(Finetuning(cfg, model_cfg, task, examples, tokenizer), dims)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device),
+                              train=with_finetune_lr(cfg.train, model_cfg.d_model),
+                              data=dataclasses.replace(cfg.data, dir=data_dir, tokenizer=spiece))
+    # the export's token rows; padding is per TP
+    return cfg, with_vocab(model_cfg, Tokenizer(spiece).num_ids), task, examples
+
+
+def finetune(cfg: FinetuneConfig) -> int:
+    # Process groups, checks; the config resolved: the task and its files, the export's config and tokenizer read now
+    dims = init_job(cfg)
+    cfg, model_cfg, task, examples = resolve(cfg, dims)
+    code = run_job(Finetuning(cfg, model_cfg, task, examples, Tokenizer(cfg.data.tokenizer)), dims)
     run_dir = Path(cfg.run.dir)
     if code == EXIT_OK and dims.rank == 0 and (run_dir / "results.md").is_file():
         print((run_dir / "results.md").read_text(), end="")

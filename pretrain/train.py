@@ -31,7 +31,7 @@ from pretrain.model.pretrained import LoadReport, check_init_folder
 from pretrain.planning.planner import Layout, check_job, check_memory, with_layout
 from pretrain.runtime.checkpoint import Progress, RunInputs
 from pretrain.runtime.faults import run_with_exit_codes
-from pretrain.runtime.jobs import Job, init_job, run_job
+from pretrain.runtime.jobs import Job, init_job, resolve_precision, run_job
 from pretrain.runtime.preemption import watch_preemption
 from pretrain.runtime.validation import ValidationLoss, sum_over_dp
 from tokenizer.spm import Tokenizer
@@ -42,6 +42,8 @@ log = logging.getLogger("pretrain.train")
 class Pretraining(Job):
     """A random model, or `init=`'s weights; this DP rank's stream of span-corrupted micro batches; the loss on
     fixed validation slices."""
+
+    cfg: Config
 
     def __init__(self, cfg: Config, layout: Layout) -> None:
         # the shards as the stream reads them (a mixture's, data.sources, are the loader's to record and check)
@@ -90,15 +92,23 @@ class Pretraining(Job):
                 f"{layout.tokens_per_step} tokens/step")
 
 
-def train(cfg: Config) -> int:
-    # Process groups (TP x DP), seeds, and every check that needs no allocation: the planner's own
-    # (pretrain.planning.planner.check_job: layout, model, batch split, DeepSpeed options; on CUDA, the memory
-    # estimate against the device's memory), with the model's vocabulary resolved from the tokenizer first
-    dims, cfg = init_job(cfg)
-    cfg = dataclasses.replace(cfg, model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
-    gpu_memory = torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
+def resolve(cfg: Config, dims: ParallelDims, gpu_memory: int | None) -> tuple[Config, Layout]:
+    """The config as the job runs it, from the one loaded, and its layout: the precision (the device's for auto),
+    the model's vocabulary (model.vocab_size 0: the tokenizer's ids) and the micro batch (auto: the largest the
+    layout fits in `gpu_memory`), after every check that needs no allocation: the planner's
+    (pretrain.planning.planner.check_job: layout, model, batch split, DeepSpeed options)."""
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device),
+                              model=with_vocab(cfg.model, Tokenizer(cfg.data.tokenizer).num_ids))
     layout = check_job(cfg, dims.world, gpu_memory)
-    cfg = with_layout(cfg, layout)  # train.micro_batch: auto -> the number the layout chose
+    return with_layout(cfg, layout), layout
+
+
+def train(cfg: Config) -> int:
+    # Process groups (TP x DP), seeds; the config resolved and checked (on CUDA, the memory estimate against the
+    # device's memory too), and `init`'s folder against it
+    dims = init_job(cfg)
+    gpu_memory = torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
+    cfg, layout = resolve(cfg, dims, gpu_memory)
     if gpu_memory is not None:
         check_memory(cfg, layout, gpu_memory)
     if cfg.init:

@@ -7,18 +7,17 @@ run-folder lock agreed by all ranks. Entry points import these, not each other.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Iterator, Protocol, TypeVar
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import yaml
 from deepspeed import DeepSpeedEngine
 
-from pretrain.core.config import ModelConfig, UsageError, save_config, to_yaml
+from pretrain.core.config import JobConfig, ModelConfig, UsageError, save_config, to_yaml
 from pretrain.distributed.parallel import ParallelDims, init_distributed
 from pretrain.model import check_model, universal_checkpoint_info
 from pretrain.model.pretrained import LoadReport, load_weights
@@ -40,7 +39,6 @@ from pretrain.runtime.resume import plan_resume
 from pretrain.runtime.run_lock import RunLock
 
 log = logging.getLogger(__name__)
-C = TypeVar("C")  # a job's config: pretrain.core.config.Config or FinetuneConfig
 
 
 def init_logging(rank: int) -> None:
@@ -85,18 +83,17 @@ def acquire_run_lock(run_dir: Path, dims: ParallelDims) -> RunLock:
     return lock
 
 
-def init_job(cfg: C) -> tuple[ParallelDims, C]:
+def init_job(cfg: JobConfig) -> ParallelDims:
     """Process groups (TP x DP, seeded from run.seed), rank-prefixed logging, a signal during the imports or the
-    rendezvous (every rank stops here), and `cfg` with its precision resolved and checked against the device."""
+    rendezvous (every rank stops here), and the precision as the job will resolve it, checked against the device."""
     dims = init_distributed(cfg.parallel, cfg.run.seed)
     init_logging(dims.rank)
     if dims.device.type != "cuda":  # advice on CUDA streams, from every TP rank's first backward: nothing to act on
         warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended to set the "
                                 "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
     stop_if_preempted(dims.device)
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, dims.device))
-    check_precision(cfg.precision, cfg.parallel.backend, dims.device)
-    return dims, cfg
+    check_precision(resolve_precision(cfg.precision, dims.device), cfg.parallel.backend, dims.device)
+    return dims
 
 
 class Data(DataStateful, Protocol):
@@ -109,8 +106,8 @@ class Data(DataStateful, Protocol):
 
 class Job(abc.ABC):
     """What one job brings to the skeleton (`run_job`): its model and where the weights come from, its data, its
-    evaluation. `cfg` is the job's config; the skeleton reads its run, parallel, zero, precision, train,
-    checkpoint, log and profile sections. `inputs`: what a resume must have been made from. `weights`: a folder
+    evaluation. `cfg` is the job's config, resolved (auto values made concrete); the skeleton reads its shared
+    sections (JobConfig: run, parallel, zero, precision, train, checkpoint, log, profile). `inputs`: what a resume must have been made from. `weights`: a folder
     whose weights start the model (and the optimizer's master copy) unless the run resumes ("": none); the skeleton
     reads it, once (`start_model`)."""
 
@@ -119,7 +116,7 @@ class Job(abc.ABC):
     strict_weights: bool = False  # every parameter must come from `weights` (an export of this very model)
     flops_per_step: float = 0.0  # model FLOPs of one step; > 0: MFU is reported
 
-    def __init__(self, cfg, model_cfg: ModelConfig, inputs: RunInputs) -> None:
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, inputs: RunInputs) -> None:
         self.cfg, self.model_cfg, self.inputs = cfg, model_cfg, inputs
 
     @abc.abstractmethod
