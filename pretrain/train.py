@@ -1,8 +1,9 @@
 """Pretraining: `python -m launch.run --nproc-per-node N -m pretrain.train --config FILE [section.key=value ...]`
 (torchrun with the jobs' exit codes; or `srun python -m pretrain.train ...`). `train` is the setup, top to bottom:
-process groups, checks, tokenizer; then the job skeleton (`pretrain.runtime.jobs.run_job`: the run lock,
-checkpoint to resume, model (random, or from `init=` weights) and DeepSpeed engine, data (train stream and the
-fixed validation slice, both opened now), restore, the shared loop). Exit codes are in pretrain.runtime.faults.
+process groups; the config resolved once (`resolve`: precision, vocabulary from the tokenizer, layout and micro
+batch) and checked; then the job skeleton (`pretrain.runtime.jobs.run_job`: the run lock, checkpoint to resume,
+model (random, or from `init=` weights, read once) and DeepSpeed engine, data (train stream and the fixed
+validation slice, both opened now), restore, the shared loop). Exit codes are in pretrain.runtime.faults.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The job skeleton: what every job (pretraining, fine-tuning) does around its own parts. A command checks its
-config and reads its inputs, then calls `init_job` and `run_job` with a `Job`: its model and where the weights
+"""The job skeleton: what every job (pretraining, fine-tuning) does around its own parts. A command calls `init_job`,
+resolves and checks its config (pretrain.core.config.JobConfig's sections are the skeleton's) and reads its inputs,
+then calls `run_job` with a `Job`: its model and where the weights
 come from, its data, its evaluation (torchtitan's shape: the components are built once, the checkpoint manager
 loads them, one loop runs them). Also here: logging with a rank prefix, the precision/device rule, and the
 run-folder lock agreed by all ranks. Entry points import these, not each other.
@@ -107,9 +108,9 @@ class Data(DataStateful, Protocol):
 class Job(abc.ABC):
     """What one job brings to the skeleton (`run_job`): its model and where the weights come from, its data, its
     evaluation. `cfg` is the job's config, resolved (auto values made concrete); the skeleton reads its shared
-    sections (JobConfig: run, parallel, zero, precision, train, checkpoint, log, profile). `inputs`: what a resume must have been made from. `weights`: a folder
-    whose weights start the model (and the optimizer's master copy) unless the run resumes ("": none); the skeleton
-    reads it, once (`start_model`)."""
+    sections (JobConfig: run, parallel, zero, precision, train, checkpoint, log, profile). `inputs`: what a resume
+    must have been made from. `weights`: a folder whose weights start the model (and the optimizer's master copy)
+    unless the run resumes ("": none); the skeleton reads it, once (`start_model`)."""
 
     weights: str = ""
     resize_vocab: bool = False  # `weights` holds another vocabulary (pretraining's init_resize_vocab)
