@@ -13,7 +13,7 @@ from deepspeed.utils import safe_set_full_fp32_param
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from pretrain.core.config import TrainConfig, ZeroConfig
-from pretrain.core.deepspeed_config import build_deepspeed_config, num_accumulation_steps  # noqa: F401 (jobs.py's)
+from pretrain.core.deepspeed_config import build_deepspeed_config
 from pretrain.distributed.parallel import deepspeed_mpu
 from pretrain.model.pretrained import LoadReport
 from pretrain.model.t5 import T5Model

@@ -19,11 +19,12 @@ import yaml
 from deepspeed import DeepSpeedEngine
 
 from pretrain.core.config import JobConfig, ModelConfig, UsageError, save_config, to_yaml
+from pretrain.core.deepspeed_config import num_accumulation_steps
 from pretrain.distributed.parallel import ParallelDims, init_distributed
 from pretrain.model import check_model, universal_checkpoint_info
 from pretrain.model.pretrained import LoadReport, load_weights
 from pretrain.runtime.checkpoint import CheckpointManager, DataStateful, Progress, ResumePlan, RunInputs
-from pretrain.runtime.engine import build_engine, master_values, num_accumulation_steps, set_master_weights
+from pretrain.runtime.engine import build_engine, master_values, set_master_weights
 from pretrain.runtime.faults import stop_if_preempted
 from pretrain.runtime.loop import (
     Components,
