@@ -44,3 +44,9 @@ def assert_covers(specs: Iterable[str], what: str) -> None:
     named = {name for spec in specs for name in spec.split("+")}
     missing, unknown = [n for n in MIXERS if n not in named], sorted(named - set(MIXERS))
     assert not missing and not unknown, f"{what}: no entry for registered mixer(s) {missing}; unregistered {unknown}"
+
+
+def has_fused_form(spec: str) -> bool:
+    """Whether every mixer of `spec` has logits of the form Q' K'^T (vanilla, or a module with `factors`): the layer
+    then runs one fused attention call with nothing full-rank in its mask (pretrain/model/attention.py)."""
+    return all(MIXERS[name].build is None or hasattr(MIXERS[name].build, "factors") for name in parse_mixers(spec))

@@ -21,12 +21,12 @@ from pretrain.model import build_model
 from pretrain.model.attention import SelfAttention, sum_wide
 from pretrain.model.mixers import parse_mixers
 from pretrain.model.t5 import causal_mask, padding_mask
+from tests.registry import SPECS, has_fused_form
 from tests.test_attention import CFG, _reference
 
 FLASH = "_scaled_dot_product_flash_attention_for_cpu"
-# every layer with a fused form, and a mixture whose other mixer goes into the mask (random+dense)
-FUSED = ["vanilla", "dense", "factorized_random", "dense+vanilla", "factorized_random+vanilla",
-         "factorized_random+vanilla+dense"]
+# every mixer and shipped mixture of Q' K'^T mixers alone (from the registry), and mixtures of two and three of them
+FUSED = [*(spec for spec in SPECS if has_fused_form(spec)), "factorized_random+vanilla", "factorized_random+vanilla+dense"]
 
 
 class Ops(TorchDispatchMode):
